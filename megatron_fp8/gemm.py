@@ -1,0 +1,248 @@
+"""The shared quantized-GEMM core: every FP8 matmul in the package goes through ``gemm``.
+
+All three linear GEMMs have one shape once operands are K-major (RECIPES.md):
+
+==========  =====================  ===============================  ==================
+GEMM        computes               operand a ``[m, k]``             operand b ``[n, k]``
+==========  =====================  ===============================  ==================
+fprop       ``y  = x @ w.T``       x rowwise ``[M, K]``             w rowwise ``[N, K]``
+dgrad       ``dx = dy @ w``        dy rowwise ``[M, N]``            w columnwise ``[K, N]``
+wgrad       ``dw = dy.T @ x``      dy columnwise ``[N, M]``         x columnwise ``[K, M]``
+==========  =====================  ===============================  ==================
+
+so ``gemm(a, b) = a @ b.T`` with both operands' last dim contracted. The backend is chosen per
+call: ``native`` (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``) where the device runs
+that pair of scale layouts, else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
+``force_backend`` pins one; ``record_gemms`` lists what ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .quant.formats import ScaleLayout
+from .quant.tensor import Operand
+
+__all__ = [
+    "Backend",
+    "GemmCall",
+    "gemm",
+    "grouped_gemm",
+    "select_backend",
+    "native_supported",
+    "force_backend",
+    "record_gemms",
+]
+
+L = ScaleLayout
+
+
+class Backend(enum.Enum):
+    NATIVE = "native"
+    EMULATE = "emulate"
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """One GEMM as it ran: which backend, which layouts, which shape."""
+
+    name: str
+    backend: Backend
+    layouts: tuple[ScaleLayout, ScaleLayout]
+    mnk: tuple[int, int, int]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.forced: Backend | None = None
+        self.records: list[list[GemmCall]] = []
+
+
+_state = _State()
+
+_BLOCK_PAIRS = {
+    (L.BLOCK_1x128, L.BLOCK_128x128),
+    (L.BLOCK_1x128, L.BLOCK_1x128),
+    (L.BLOCK_128x128, L.BLOCK_1x128),
+}
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    v = torch.version.cuda
+    if not v:
+        return False
+    parts = tuple(int(p) for p in v.split(".")[:2])
+    return parts >= (major, minor)
+
+
+def native_supported(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> bool:
+    """Whether this device has a native FP8 GEMM for the layout pair ``(a, b)``."""
+    pair = (a, b)
+    if device.type == "cpu":
+        return pair in {(L.TENSOR, L.TENSOR), (L.ROW, L.ROW)}
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    if pair in {(L.TENSOR, L.TENSOR), (L.ROW, L.ROW)}:
+        return cap >= (8, 9)
+    if pair in _BLOCK_PAIRS:
+        return cap[0] == 9 and _cuda_at_least(12, 9)
+    # MXFP8 needs SM100 and swizzled scale layouts; we have no SM100 to verify them on, so
+    # MXFP8 is emulated everywhere (see RECIPES.md, recipe 4).
+    return False
+
+
+def _env_backend() -> Backend | None:
+    v = os.environ.get("MEGATRON_FP8_GEMM_BACKEND", "auto").lower()
+    if v == "auto":
+        return None
+    try:
+        return Backend(v)
+    except ValueError:
+        raise ValueError(
+            f"MEGATRON_FP8_GEMM_BACKEND={v!r}; allowed: 'auto', 'native', 'emulate'"
+        ) from None
+
+
+def select_backend(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> Backend:
+    """The backend ``gemm`` uses for these layouts on this device.
+
+    Auto: native on CUDA where supported; emulate elsewhere (on CPU the emulation is the
+    reference, though CPU ``_scaled_mm`` exists for tensorwise/rowwise and can be forced).
+    """
+    forced = _state.forced or _env_backend()
+    if forced is Backend.NATIVE and not native_supported(a, b, device):
+        raise RuntimeError(
+            f"native FP8 GEMM forced, but {device} has none for scale layouts "
+            f"({a.value}, {b.value}); use backend 'emulate' or 'auto'"
+        )
+    if forced is not None:
+        return forced
+    if device.type == "cuda" and native_supported(a, b, device):
+        return Backend.NATIVE
+    return Backend.EMULATE
+
+
+@contextlib.contextmanager
+def force_backend(backend: Backend | str | None) -> Iterator[None]:
+    """Pin the GEMM backend (``"native"``, ``"emulate"``; ``None`` = auto) inside the block."""
+    prev = _state.forced
+    _state.forced = Backend(backend) if backend is not None else None
+    try:
+        yield
+    finally:
+        _state.forced = prev
+
+
+@contextlib.contextmanager
+def record_gemms() -> Iterator[list[GemmCall]]:
+    """Collect a ``GemmCall`` for every GEMM run inside the block."""
+    calls: list[GemmCall] = []
+    _state.records.append(calls)
+    try:
+        yield calls
+    finally:
+        _state.records.remove(calls)
+
+
+def _block_scale_layout(op: Operand) -> torch.Tensor:
+    """``scale_inv`` as ``scaled_mm`` wants it on SM90 (outer-dim-major; 128x128 K-padded to 4)."""
+    s = op.scale_inv
+    if op.layout is L.BLOCK_1x128:
+        return s.t().contiguous().t()  # (rows, k/128) with strides (1, rows)
+    kb = s.shape[1]
+    pad = (-kb) % 4
+    if pad:
+        s = F.pad(s, (0, pad), value=1.0)
+    return s.contiguous().t()  # (round_up(k/128, 4), rows/128), column-major
+
+
+def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    if a.layout is L.TENSOR:
+        return torch._scaled_mm(
+            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    if a.layout is L.ROW:
+        out = torch._scaled_mm(
+            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv.t(),
+            out_dtype=torch.bfloat16 if a.data.is_cuda else out_dtype, use_fast_accum=fast_accum,
+        )
+        return out.to(out_dtype)
+    st = F.ScalingType
+    kinds = {L.BLOCK_1x128: st.BlockWise1x128, L.BLOCK_128x128: st.BlockWise128x128}
+    out = F.scaled_mm(
+        a.data, b.data.t(),
+        _block_scale_layout(a), kinds[a.layout],
+        _block_scale_layout(b), kinds[b.layout],
+        swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE,
+        output_dtype=torch.bfloat16,  # SM90 block-scaled cuBLAS GEMMs write BF16 only
+    )
+    return out.to(out_dtype)
+
+
+def emulate(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize both operands, FP32 matmul, cast: the reference every native path must match."""
+    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def gemm(
+    a: Operand,
+    b: Operand,
+    out_dtype: torch.dtype,
+    *,
+    name: str = "gemm",
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """``a @ b.T`` for K-major FP8 operands ``a [m, k]``, ``b [n, k]``, output ``[m, n]``."""
+    (m, k), (n, kb) = a.shape, b.shape
+    if k != kb:
+        raise ValueError(f"{name}: contraction dims differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    backend = select_backend(a.layout, b.layout, a.data.device)
+    for calls in _state.records:
+        calls.append(GemmCall(name, backend, (a.layout, b.layout), (m, n, k)))
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
+    if backend is Backend.NATIVE:
+        return _native(a, b, out_dtype, fast_accum)
+    return emulate(a, b, out_dtype)
+
+
+def grouped_gemm(
+    a: Sequence[Operand],
+    b: Sequence[Operand],
+    out_dtype: torch.dtype,
+    *,
+    name: str = "grouped_gemm",
+    fast_accum: bool = False,
+) -> list[torch.Tensor]:
+    """One ``gemm`` per expert: ``[a_i @ b_i.T]``. Problems of size zero give empty (or zero)
+    outputs: an expert with no tokens has an empty fprop output and an all-zero wgrad."""
+    if len(a) != len(b):
+        raise ValueError(f"{name}: {len(a)} a-operands but {len(b)} b-operands")
+    return [gemm(ai, bi, out_dtype, name=f"{name}[{i}]", fast_accum=fast_accum)
+            for i, (ai, bi) in enumerate(zip(a, b))]
+
+
+def split_rows(op: Operand, splits: Sequence[int]) -> list[Operand]:
+    """Split a rowwise operand ``[m, k]`` into row groups (per-expert tokens).
+
+    Valid for layouts whose scales do not span rows: TENSOR, ROW, BLOCK_1x128, MX_1x32.
+    """
+    if op.layout is L.BLOCK_128x128:
+        raise ValueError("split_rows: 128x128-block operands cannot be split by rows")
+    if sum(splits) != op.shape[0]:
+        raise ValueError(f"split_rows: splits {list(splits)} sum to {sum(splits)}, not {op.shape[0]} rows")
+    datas = op.data.split(list(splits))
+    if op.layout is L.TENSOR:
+        return [Operand(d, op.scale_inv, op.layout) for d in datas]
+    scales = op.scale_inv.split(list(splits))
+    return [Operand(d, s, op.layout) for d, s in zip(datas, scales)]

@@ -1,0 +1,6 @@
+"""nn.Modules on the autograd functions: single-device layers and their FP8 state."""
+
+from .base import FP8Module
+from .linear import Linear
+
+__all__ = ["FP8Module", "Linear"]

@@ -1,0 +1,105 @@
+"""FP8Module: per-layer quantizers for the active recipe, the FP8 weight cache, extra state.
+
+A layer builds its quantizers when it first runs under a recipe and keeps them while the recipe
+stays the same (delayed scaling's history lives in them). ``get_extra_state`` /
+``set_extra_state`` carry that state through ``state_dict`` so a checkpoint restores it.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..autocast import current_fp8_state
+from ..ops.linear import LinearQuantizers, mark_param_derived
+from ..quant.quantizers import make_quantizer
+from ..quant.tensor import QuantizedTensor
+from ..recipe import Recipe, TensorRole
+
+
+class FP8Module(nn.Module):
+    """Base of every FP8 layer: recipe-bound quantizers and the cached FP8 weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fp8_recipe: Recipe | None = None
+        self._quantizers: dict[str, LinearQuantizers] = {}
+        self._w_cache: dict[str, QuantizedTensor] = {}
+        self._pending_state: dict[str, Any] | None = None
+
+    def fp8_quantizers(self, key: str = "weight") -> LinearQuantizers | None:
+        """Quantizers of weight ``key`` under the active region's recipe (None with FP8 off)."""
+        state = current_fp8_state()
+        if state is None or not state.enabled:
+            return None
+        if state.recipe != self._fp8_recipe:
+            self._fp8_recipe, self._quantizers, self._w_cache = state.recipe, {}, {}
+        q = self._quantizers.get(key)
+        if q is None:
+            name = f"{type(self).__name__}.{key}"
+            device = getattr(self, key).device
+            q = LinearQuantizers(*(
+                make_quantizer(state.recipe, role, name=f"{name}:{role.value}", device=device)
+                for role in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT)
+            ))
+            self._quantizers[key] = q
+            self._restore_pending(key, q)
+        for quantizer in (q.input, q.grad_output):  # the weight is never sharded along tokens
+            if hasattr(quantizer, "group"):
+                quantizer.group = state.group  # type: ignore[attr-defined]
+        return q
+
+    def fp8_weight(self, key: str, q: LinearQuantizers, is_first_microbatch: bool | None) -> QuantizedTensor:
+        """Cast weight ``key`` rowwise and columnwise; reuse the cast while
+        ``is_first_microbatch`` is False (Megatron's micro-batch convention)."""
+        if is_first_microbatch is False and key in self._w_cache:
+            return self._w_cache[key]
+        with torch.no_grad():
+            w_q = q.weight.quantize(getattr(self, key), rowwise=True, columnwise=True)
+        mark_param_derived(w_q)
+        if is_first_microbatch is None:
+            self._w_cache.pop(key, None)
+        else:
+            self._w_cache[key] = w_q
+        return w_q
+
+    # ---- checkpointing of FP8 state (delayed-scaling histories) ----
+    def get_extra_state(self) -> torch.Tensor:
+        state = {
+            "recipe": self._fp8_recipe.describe() if self._fp8_recipe is not None else None,
+            "quantizers": {
+                key: {role: getattr(q, role).state_dict() for role in ("input", "weight", "grad_output")}
+                for key, q in self._quantizers.items()
+            },
+        }
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        if isinstance(state, torch.Tensor):
+            state = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
+        if not isinstance(state, dict) or "quantizers" not in state:
+            raise ValueError(f"{type(self).__name__}: unrecognised FP8 extra state {type(state).__name__}")
+        self._pending_state = state
+        for key, q in self._quantizers.items():
+            self._restore_pending(key, q)
+
+    def _restore_pending(self, key: str, q: LinearQuantizers) -> None:
+        """Load saved quantizer state once a quantizer of the same recipe exists."""
+        st = self._pending_state
+        if not st or key not in st["quantizers"]:
+            return
+        if self._fp8_recipe is not None and st["recipe"] != self._fp8_recipe.describe():
+            raise ValueError(
+                f"{type(self).__name__}: checkpointed FP8 state is for {st['recipe']}, but the "
+                f"layer now runs {self._fp8_recipe.describe()}; use the same recipe to resume"
+            )
+        for role in ("input", "weight", "grad_output"):
+            getattr(q, role).load_state_dict(st["quantizers"][key][role])
+        del st["quantizers"][key]

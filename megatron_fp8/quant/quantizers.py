@@ -1,0 +1,305 @@
+"""Quantizers: one per recipe and tensor role, turning a 2-D tensor into a QuantizedTensor.
+
+``quantize(x, rowwise=, columnwise=)`` casts the requested copies. Per-tensor quantizers accept
+``scale=`` to reuse a scale cast earlier (``save_original_input`` casts the columnwise copy in
+backward with the forward's scale, recording no second amax).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..autocast import fp8_step
+from ..recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    TensorRole,
+)
+from . import kernels
+from .formats import ScaleLayout, check_high_precision
+from .reference import amax_to_scale, tensor_amax
+from .tensor import Operand, QuantizedTensor
+
+__all__ = [
+    "Quantizer",
+    "CurrentScalingQuantizer",
+    "DelayedScalingQuantizer",
+    "Block1DQuantizer",
+    "Block2DQuantizer",
+    "MXFP8Quantizer",
+    "make_quantizer",
+]
+
+
+def _reduce_amax(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def _check_2d(x: torch.Tensor, name: str) -> None:
+    check_high_precision(x, name)
+    if x.dim() != 2:
+        raise ValueError(f"{name}: quantizers take 2-D tensors, got shape {tuple(x.shape)}")
+
+
+class Quantizer(abc.ABC):
+    """Casts tensors of one role under one recipe."""
+
+    layout: ScaleLayout
+
+    def __init__(self, fp8_dtype: torch.dtype, name: str = "tensor") -> None:
+        self.fp8_dtype = fp8_dtype
+        self.name = name
+
+    @abc.abstractmethod
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        scale: torch.Tensor | None = None,
+        record_amax: bool = True,
+    ) -> QuantizedTensor: ...
+
+    def _new(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
+        return QuantizedTensor(x.shape, x.dtype, self.fp8_dtype, scale=scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} ({self.name}) holds no state, got {sorted(state)}")
+
+
+class _PerTensorQuantizer(Quantizer):
+    """Shared cast for per-tensor recipes; subclasses decide the scale."""
+
+    layout = ScaleLayout.TENSOR
+
+    def __init__(self, fp8_dtype: torch.dtype, name: str, group: dist.ProcessGroup | None) -> None:
+        super().__init__(fp8_dtype, name)
+        self.group = group
+
+    @abc.abstractmethod
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor: ...
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        scale: torch.Tensor | None = None,
+        record_amax: bool = True,
+    ) -> QuantizedTensor:
+        _check_2d(x, self.name)
+        if scale is None:
+            scale = self._scale_for(x, record_amax)
+        row, col = kernels.cast_tensorwise(x, scale, self.fp8_dtype, rowwise, columnwise)
+        qt = self._new(x, scale)
+        scale_inv = torch.reciprocal(scale)
+        if row is not None:
+            qt.rowwise = Operand(row, scale_inv, self.layout)
+        if col is not None:
+            qt.columnwise = Operand(col, scale_inv, self.layout)
+        return qt
+
+
+class CurrentScalingQuantizer(_PerTensorQuantizer):
+    """Scale from this tensor's amax (reduced over ``group``), now."""
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        *,
+        power_2_scale: bool = False,
+        amax_epsilon: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+        name: str = "tensor",
+    ) -> None:
+        super().__init__(fp8_dtype, name, group)
+        self.power_2_scale = power_2_scale
+        self.amax_epsilon = amax_epsilon
+
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
+        amax = _reduce_amax(tensor_amax(x), self.group)
+        return amax_to_scale(
+            amax, self.fp8_dtype, power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon
+        )
+
+
+class DelayedScalingQuantizer(_PerTensorQuantizer):
+    """Scale from the amax history of past steps; this cast's amax joins the history.
+
+    State: ``scale`` (in force for the current step), ``amax_history[L]`` (slot 0 = the current
+    step, max over its casts) and ``step`` (the FP8 step the history was last rolled for). At the
+    first cast of a new step the scale is recomputed from the history, then the history rolls.
+    A non-finite amax is recorded but never turned into a scale: the previous scale stays.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype,
+        recipe: DelayedScaling,
+        *,
+        group: dist.ProcessGroup | None = None,
+        name: str = "tensor",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(fp8_dtype, name, group)
+        self.recipe = recipe
+        self.amax_history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.step = 0
+
+    def _to(self, device: torch.device) -> None:
+        if self.amax_history.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
+
+    def _advance(self) -> None:
+        now = fp8_step()
+        if now == self.step:
+            return
+        h = self.amax_history
+        amax = h.max() if self.recipe.amax_compute_algo == "max" else h[0]
+        new = amax_to_scale(amax, self.fp8_dtype, margin=self.recipe.margin)
+        usable = torch.isfinite(amax) & (amax > 0)
+        self.scale = torch.where(usable, new, self.scale)  # a new tensor: saved snapshots stay valid
+        self.amax_history = torch.roll(h, 1)
+        self.amax_history[0] = 0.0
+        self.step = now
+
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
+        self._to(x.device)
+        self._advance()
+        if record_amax:
+            amax = _reduce_amax(tensor_amax(x), self.group)
+            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        return self.scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"scale", "amax_history", "step"} - set(state)
+        if missing:
+            raise KeyError(f"delayed-scaling state for {self.name} lacks {sorted(missing)}")
+        hist = state["amax_history"]
+        if hist.shape != self.amax_history.shape:
+            raise ValueError(
+                f"delayed-scaling state for {self.name}: amax_history has length {hist.shape[0]}, "
+                f"the recipe says amax_history_len={self.amax_history.shape[0]}"
+            )
+        self.amax_history = hist.to(self.amax_history.device, torch.float32).clone()
+        self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
+        self.step = int(state["step"])
+
+
+class Block1DQuantizer(Quantizer):
+    """1x128 tiles along the contraction dim (activations and gradients)."""
+
+    layout = ScaleLayout.BLOCK_1x128
+
+    def __init__(self, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                 block: int = 128, name: str = "tensor") -> None:
+        super().__init__(fp8_dtype, name)
+        self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                 scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
+        _check_2d(x, self.name)
+        qt = self._new(x)
+        row, col = kernels.cast_blocks_1d_both(
+            x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale, self.amax_epsilon,
+            self.name,
+        )
+        if row is not None:
+            qt.rowwise = Operand(*row, self.layout)
+        if col is not None:
+            qt.columnwise = Operand(*col, self.layout)
+        return qt
+
+
+class Block2DQuantizer(Quantizer):
+    """128x128 blocks (weights). The columnwise copy is the rowwise one transposed: a 2-D block
+    has the same amax whichever dim is contracted, so nothing is recast."""
+
+    layout = ScaleLayout.BLOCK_128x128
+
+    def __init__(self, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                 block: int = 128, name: str = "tensor") -> None:
+        super().__init__(fp8_dtype, name)
+        self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                 scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
+        _check_2d(x, self.name)
+        qt = self._new(x)
+        data, sinv = kernels.cast_blocks_2d(
+            x, self.fp8_dtype, self.block, self.power_2_scale, self.amax_epsilon, self.name
+        )
+        if rowwise:
+            qt.rowwise = Operand(data, sinv, self.layout)
+        if columnwise:
+            qt.columnwise = Operand(data.t().contiguous(), sinv.t().contiguous(), self.layout)
+        return qt
+
+
+class MXFP8Quantizer(Quantizer):
+    """1x32 blocks with E8M0 scales; rowwise blocks run along K, columnwise along M."""
+
+    layout = ScaleLayout.MX_1x32
+
+    def __init__(self, fp8_dtype: torch.dtype, *, block: int = 32, name: str = "tensor") -> None:
+        super().__init__(fp8_dtype, name)
+        self.block = block
+
+    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
+                 scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
+        _check_2d(x, self.name)
+        qt = self._new(x)
+        row, col = kernels.cast_mx_both(x, self.fp8_dtype, rowwise, columnwise, self.block, self.name)
+        if row is not None:
+            qt.rowwise = Operand(*row, self.layout)
+        if col is not None:
+            qt.columnwise = Operand(*col, self.layout)
+        return qt
+
+
+def make_quantizer(
+    recipe: Recipe,
+    role: TensorRole,
+    *,
+    group: dist.ProcessGroup | None = None,
+    name: str | None = None,
+    device: torch.device | str | None = None,
+) -> Quantizer:
+    """The quantizer a recipe prescribes for a tensor role."""
+    dtype = recipe.fp8_dtype(role)
+    name = name or role.value
+    if isinstance(recipe, DelayedScaling):
+        return DelayedScalingQuantizer(dtype, recipe, group=group, name=name, device=device)
+    if isinstance(recipe, Float8CurrentScaling):
+        return CurrentScalingQuantizer(
+            dtype, power_2_scale=recipe.power_2_scale, amax_epsilon=recipe.amax_epsilon,
+            group=group, name=name,
+        )
+    if isinstance(recipe, Float8BlockScaling):
+        cls = Block2DQuantizer if role is TensorRole.WEIGHT else Block1DQuantizer
+        return cls(dtype, power_2_scale=recipe.power_2_scale, amax_epsilon=recipe.amax_epsilon,
+                   block=recipe.block_size, name=name)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8Quantizer(dtype, block=recipe.block_size, name=name)
+    raise TypeError(f"no quantizer for recipe {type(recipe).__name__}")

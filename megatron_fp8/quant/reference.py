@@ -1,0 +1,171 @@
+"""Reference FP8 casts in plain PyTorch: the CPU path and the oracle for GPU kernels.
+
+Every function is pure, runs under ``torch.no_grad()`` and works on any device. Conventions:
+
+* ``scale`` multiplies the high-precision value into FP8 range; ``scale_inv = 1 / scale`` is what
+  a GEMM multiplies back (what ``scaled_mm`` calls the scale).
+* Casts compute ``x.float() * scale``, clamp to +-FP8_MAX (saturate) and round to nearest-even.
+* An amax of zero or a non-finite amax gives scale 1.0, so the scale is always finite. With
+  scale 1.0, finite values saturate, +-inf saturates to +-FP8_MAX and NaN stays NaN.
+* Power-of-two scales are rounded *down* (exact exponent arithmetic on the FP32 bits), so that
+  ``amax * scale <= FP8_MAX`` and scaling is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import E8M0_BIAS, fp8_max
+
+_F32_EXP_MASK = 0x7F800000
+
+
+@torch.no_grad()
+def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= ``scale`` (positive, finite FP32), via the exponent bits."""
+    bits = scale.float().view(torch.int32) & _F32_EXP_MASK
+    # A subnormal or zero scale would give 0: never produced (scale >= FP8_MAX / FP32_MAX).
+    return bits.view(torch.float32)
+
+
+@torch.no_grad()
+def amax_to_scale(
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    power_2_scale: bool = False,
+    amax_epsilon: float = 0.0,
+) -> torch.Tensor:
+    """FP32 scale ``FP8_MAX / max(amax, eps) / 2**margin`` (computed in FP64, then rounded).
+
+    Zero or non-finite amax -> 1.0. A scale above the FP32 range is clamped to FP32 max.
+    """
+    amax64 = amax.to(torch.float64)
+    if amax_epsilon > 0.0:
+        amax64 = torch.clamp(amax64, min=amax_epsilon)
+    good = torch.isfinite(amax64) & (amax64 > 0)
+    safe = torch.where(good, amax64, torch.ones_like(amax64))
+    scale64 = (fp8_max(fp8_dtype) / safe) / float(2**margin)
+    scale64 = torch.clamp(scale64, max=torch.finfo(torch.float32).max)
+    scale = torch.where(good, scale64, torch.ones_like(scale64)).to(torch.float32)
+    if power_2_scale:
+        scale = round_down_pow2(scale)
+    return scale
+
+
+@torch.no_grad()
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast of ``x * scale`` (``scale`` broadcastable to ``x``)."""
+    m = fp8_max(fp8_dtype)
+    return torch.clamp(x.float() * scale, min=-m, max=m).to(fp8_dtype)
+
+
+def _blocked_rows(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """View ``[rows, k]`` as ``[rows, k // block, block]``, or raise naming the requirement."""
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.shape[1] % block:
+        raise ValueError(
+            f"{what}: shape {tuple(x.shape)} has contraction extent {x.shape[1]}, which must be "
+            f"a multiple of the block size {block}; pad the tensor or pick a size divisible by {block}"
+        )
+    return x.reshape(x.shape[0], x.shape[1] // block, block)
+
+
+@torch.no_grad()
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as an FP32 scalar (NaN if x holds NaN; 0 for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.abs().amax().float()
+
+
+@torch.no_grad()
+def cast_blocks_1d(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    block: int = 128,
+    power_2_scale: bool = True,
+    amax_epsilon: float = 0.0,
+    what: str = "tensor",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x ``block`` tiles along the last dim of ``x [rows, k]``.
+
+    Returns ``(data [rows, k], scale_inv [rows, k // block])`` (FP32 scale_inv).
+    """
+    xb = _blocked_rows(x, block, what)
+    amax = xb.abs().amax(dim=-1).float()
+    scale = amax_to_scale(amax, fp8_dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    data = cast_to_fp8(xb, scale.unsqueeze(-1), fp8_dtype).reshape(x.shape)
+    return data, torch.reciprocal(scale)
+
+
+@torch.no_grad()
+def cast_blocks_2d(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    block: int = 128,
+    power_2_scale: bool = True,
+    amax_epsilon: float = 0.0,
+    what: str = "tensor",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block x block`` tiles of ``x [rows, k]``.
+
+    Returns ``(data [rows, k], scale_inv [rows // block, k // block])``.
+    """
+    if x.dim() != 2 or x.shape[0] % block or x.shape[1] % block:
+        raise ValueError(
+            f"{what}: shape {tuple(x.shape)} must be 2-D with both dims multiples of {block} "
+            f"for {block}x{block} block scaling"
+        )
+    r, k = x.shape
+    xb = x.reshape(r // block, block, k // block, block)
+    amax = xb.abs().amax(dim=(1, 3)).float()
+    scale = amax_to_scale(amax, fp8_dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    data = cast_to_fp8(xb, scale[:, None, :, None], fp8_dtype).reshape(r, k)
+    return data, torch.reciprocal(scale)
+
+
+@torch.no_grad()
+def mx_exponent(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Biased E8M0 exponent ``e`` (uint8) with ``amax / 2**(e-127) <= FP8_MAX``, the smallest such.
+
+    This is the round-up ("RCEIL") rule cuBLAS uses, not the OCP spec's suggested floor rule
+    (which may overflow and then saturates). Exact: computed on FP32 exponent bits, with a final
+    check of ``amax <= FP8_MAX * 2**e``. Zero or non-finite amax -> exponent 127 (scale 1.0).
+    """
+    m = fp8_max(fp8_dtype)
+    amax = amax.float()
+    good = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(good, amax, torch.ones_like(amax))
+    descale = safe / m
+    mant, exp = torch.frexp(descale)  # descale = mant * 2**exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp)  # ceil(log2(descale))
+    # FP32 rounding of amax / m may land just below a power of two: fix with an exact check.
+    e = torch.where(safe > torch.ldexp(torch.full_like(safe, m), e.float()), e + 1, e)
+    e = torch.clamp(e, min=-E8M0_BIAS, max=E8M0_BIAS)
+    e = torch.where(good, e, torch.zeros_like(e))
+    return (e + E8M0_BIAS).to(torch.uint8)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """2**(e - 127) as FP32 (exact)."""
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e.int() - E8M0_BIAS)
+
+
+@torch.no_grad()
+def cast_mx(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, block: int = 32, what: str = "tensor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 cast: 1 x ``block`` tiles along the last dim of ``x [rows, k]``.
+
+    Returns ``(data [rows, k], exponents uint8 [rows, k // block])``.
+    """
+    xb = _blocked_rows(x, block, what)
+    e = mx_exponent(xb.abs().amax(dim=-1), fp8_dtype)
+    inv = e8m0_to_float(-e.int() + 2 * E8M0_BIAS)  # 2**(127 - e): exact reciprocal of the scale
+    data = cast_to_fp8(xb, inv.unsqueeze(-1), fp8_dtype).reshape(x.shape)
+    return data, e
