@@ -44,13 +44,13 @@ def _fail(recipe: object, name: str, value: object, allowed: str) -> None:
 
 
 def _check_format(recipe: object) -> None:
-    fmt = getattr(recipe, "fp8_format")
+    fmt = recipe.fp8_format
     if not isinstance(fmt, Format):
         _fail(recipe, "fp8_format", fmt, "Format.E4M3 or Format.HYBRID")
 
 
 def _check_epsilon(recipe: object) -> None:
-    eps = getattr(recipe, "amax_epsilon")
+    eps = recipe.amax_epsilon
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
         _fail(recipe, "amax_epsilon", eps, "a float >= 0.0")
 

@@ -13,12 +13,16 @@ FP8 off                     the original ``x`` (flag changes nothing)  the weigh
 
 With the flag, backward casts x columnwise with the forward's scale (per-tensor recipes) and
 records no amax, so out, dx and dw are bitwise those of the default path.
+
+Tensor parallelism enters only through ``comm`` (``LinearComm``): with sequence parallelism x is
+the local token shard, what is saved is that *local* shard (original or columnwise FP8 copy),
+and the hooks gather it along the token dim in forward and again in backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +63,62 @@ def _accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | 
                 device=weight.device)
 
 
+class Pending(Protocol):
+    """A value that may still be in flight (an async collective); ``wait()`` returns it."""
+
+    def wait(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Done:
+    """A value that is already there (no communication)."""
+
+    value: Any
+
+    def wait(self) -> Any:
+        return self.value
+
+
+class LinearComm(Protocol):
+    """Token-dim communication of a parallel linear, called by the autograd function.
+
+    ``megatron_fp8.parallel`` implements it (column-parallel: gather tokens for sequence
+    parallelism, reduce dgrad over the TP group). Every method starts its collective and returns
+    a ``Pending``, so backward can overlap it with a GEMM. ``None`` = single device, no hooks.
+
+    ========================  ==========================  =============================
+    hook                      in (local)                  out (after ``wait()``)
+    ========================  ==========================  =============================
+    ``gather_input``          x_local ``[M_local, K]``    x ``[M, K]`` (high precision)
+    ``gather_fp8`` rowwise    x_fp8_row ``[M_local, K]``  x_fp8_row ``[M, K]`` + scales
+    ``gather_fp8`` columnwise x_fp8_col ``[K, M_local]``  x_fp8_col ``[K, M]`` + scales
+    ``reduce_dgrad``          dx_partial ``[M, K]``       dx ``[M_local, K]`` (SP) or ``[M, K]``
+    ========================  ==========================  =============================
+    """
+
+    def gather_input(self, x_local: torch.Tensor) -> Pending: ...
+
+    def gather_fp8(self, op: Operand, *, columnwise: bool) -> Pending: ...
+
+    def reduce_dgrad(self, dx_partial: torch.Tensor) -> Pending: ...
+
+
+class _NoComm:
+    """Single device: every hook hands its input back untouched."""
+
+    def gather_input(self, x_local: torch.Tensor) -> Pending:
+        return Done(x_local)
+
+    def gather_fp8(self, op: Operand, *, columnwise: bool) -> Pending:
+        return Done(op)
+
+    def reduce_dgrad(self, dx_partial: torch.Tensor) -> Pending:
+        return Done(dx_partial)
+
+
+_NO_COMM = _NoComm()
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -70,32 +130,25 @@ class _Linear(torch.autograd.Function):
         quantizers: LinearQuantizers | None,
         save_original_input: bool,
         fuse_wgrad: bool,
+        comm: LinearComm | None,
     ) -> torch.Tensor:
         x2d = _flat(x)
         ctx.fp8 = quantizers is not None
         ctx.x_shape, ctx.has_bias, ctx.fuse_wgrad = x.shape, bias is not None, fuse_wgrad
         ctx.save_original_input = save_original_input
         ctx.weight = weight  # a Parameter: for main_grad and dtype, never an activation
+        ctx.comm = comm or _NO_COMM
         if quantizers is None:
-            y = x2d @ weight.to(x.dtype).t()
-            ctx.save_for_backward(x, weight)
+            y = ctx.comm.gather_input(x2d).wait() @ weight.to(x.dtype).t()
+            ctx.save_for_backward(x, weight)  # the local x: re-gathered in backward
         else:
             assert w_fp8 is not None
-            x_q = quantizers.input.quantize(x2d, rowwise=True, columnwise=not save_original_input)
-            y = gemm(x_q.operand("rowwise"), w_fp8.operand("rowwise"), x.dtype, name="fprop",
-                     fast_accum=True)
-            w_col = w_fp8.operand("columnwise")
-            ctx.quantizers, ctx.layouts = quantizers, (x_q.rowwise.layout, w_col.layout)  # type: ignore[union-attr]
-            if save_original_input:
-                saved_x = [x] + ([x_q.scale] if x_q.scale is not None else [])
-            else:
-                x_col = x_q.operand("columnwise")
-                saved_x = [x_col.data, x_col.scale_inv]
-            ctx.n_saved_x = len(saved_x)
-            ctx.save_for_backward(*saved_x, w_col.data, w_col.scale_inv)
+            y = _forward_fp8(ctx, x, x2d, w_fp8, quantizers)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        if comm is None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y.reshape(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 may have been gathered
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -103,30 +156,66 @@ class _Linear(torch.autograd.Function):
         weight = ctx.weight
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         wgrad_dtype = torch.float32 if ctx.fuse_wgrad else weight.dtype
-        if not ctx.fp8:
-            x, w = ctx.saved_tensors
-            x2d = _flat(x)
-            dx = (dy @ w.to(dy.dtype)) if need_dx else None
-            dw = (dy.t() @ x2d).to(wgrad_dtype) if need_dw else None
-        else:
-            saved = ctx.saved_tensors
-            x_saved, (w_data, w_sinv) = saved[: ctx.n_saved_x], saved[ctx.n_saved_x:]
-            x_layout, w_layout = ctx.layouts
-            q: LinearQuantizers = ctx.quantizers
-            dy_q = q.grad_output.quantize(dy, rowwise=need_dx, columnwise=need_dw)
-            dx = dw = None
-            if need_dx:
-                dx = gemm(dy_q.operand("rowwise"), Operand(w_data, w_sinv, w_layout),
-                          grad_out.dtype, name="dgrad")
-            if need_dw:
-                x_col = _input_columnwise(ctx, q.input, x_saved, x_layout)
-                dw = gemm(dy_q.operand("columnwise"), x_col, wgrad_dtype, name="wgrad")
+        backward_gemms = _backward_fp8 if ctx.fp8 else _backward_hp
+        dx, dw = backward_gemms(ctx, dy, grad_out.dtype, wgrad_dtype, need_dx, need_dw)
         db = dy.sum(0).to(weight.dtype) if (ctx.has_bias and need_db) else None
         if dw is not None and ctx.fuse_wgrad:
             dw = _accumulate_wgrad(weight, dw)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _forward_fp8(ctx: Any, x: torch.Tensor, x2d: torch.Tensor, w_fp8: QuantizedTensor,
+                 quantizers: LinearQuantizers) -> torch.Tensor:
+    """fprop on the (gathered) rowwise FP8 x; save what backward's wgrad needs of x (the
+    local shard: the original, or its columnwise FP8 copy) and w's columnwise copy."""
+    soi = ctx.save_original_input
+    x_q = quantizers.input.quantize(x2d, rowwise=True, columnwise=not soi)
+    x_fp8_row = ctx.comm.gather_fp8(x_q.operand("rowwise"), columnwise=False).wait()
+    y = gemm(x_fp8_row, w_fp8.operand("rowwise"), x.dtype, name="fprop", fast_accum=True)
+    w_col = w_fp8.operand("columnwise")
+    ctx.quantizers, ctx.layouts = quantizers, (x_fp8_row.layout, w_col.layout)
+    if soi:
+        saved_x = [x] + ([x_q.scale] if x_q.scale is not None else [])
+    else:
+        x_col = x_q.operand("columnwise")
+        saved_x = [x_col.data, x_col.scale_inv]
+    ctx.n_saved_x = len(saved_x)
+    ctx.save_for_backward(*saved_x, w_col.data, w_col.scale_inv)
+    return y
+
+
+def _backward_hp(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype: torch.dtype,
+                 need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """High-precision dgrad/wgrad; the x gather and the dgrad reduction overlap the GEMMs."""
+    x, w = ctx.saved_tensors
+    x_pending = ctx.comm.gather_input(_flat(x)) if need_dw else None
+    dx_pending = ctx.comm.reduce_dgrad(dy @ w.to(dy.dtype)) if need_dx else None
+    dw = (dy.t() @ x_pending.wait()).to(wgrad_dtype) if x_pending is not None else None
+    return (dx_pending.wait() if dx_pending is not None else None), dw
+
+
+def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype: torch.dtype,
+                  need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """FP8 dgrad/wgrad. Order: start gathering x's columnwise copy, dgrad GEMM, start the
+    dgrad reduction, wgrad GEMM (on the gathered x), wait: each collective hides behind a GEMM."""
+    saved = ctx.saved_tensors
+    x_saved, (w_data, w_sinv) = saved[: ctx.n_saved_x], saved[ctx.n_saved_x:]
+    x_layout, w_layout = ctx.layouts
+    q: LinearQuantizers = ctx.quantizers
+    dy_q = q.grad_output.quantize(dy, rowwise=need_dx, columnwise=need_dw)
+    x_pending = dx_pending = None
+    if need_dw:
+        x_col_local = _input_columnwise(ctx, q.input, x_saved, x_layout)
+        x_pending = ctx.comm.gather_fp8(x_col_local, columnwise=True)
+    if need_dx:
+        dx = gemm(dy_q.operand("rowwise"), Operand(w_data, w_sinv, w_layout), dx_dtype, name="dgrad")
+        dx_pending = ctx.comm.reduce_dgrad(dx)
+    dw = None
+    if x_pending is not None:
+        dw = gemm(dy_q.operand("columnwise"), x_pending.wait(), wgrad_dtype, name="wgrad")
+    return (dx_pending.wait() if dx_pending is not None else None), dw
 
 
 def _input_columnwise(ctx: Any, quantizer: Quantizer, x_saved: tuple[torch.Tensor, ...],
@@ -149,9 +238,12 @@ def linear(
     quantizers: LinearQuantizers | None = None,
     save_original_input: bool = False,
     fuse_wgrad_accumulation: bool = False,
+    comm: LinearComm | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with FP8 GEMMs when ``quantizers`` is given (high precision
-    otherwise). ``w_fp8``: the weight cast rowwise and columnwise by ``quantizers.weight``."""
+    otherwise). ``w_fp8``: the weight cast rowwise and columnwise by ``quantizers.weight``.
+    ``comm``: token-dim communication hooks of a parallel layer (``LinearComm``); with it,
+    ``x`` may be a local sequence shard and dim 0 of the output the gathered length."""
     if quantizers is not None and w_fp8 is None:
         with torch.no_grad():
             w_fp8 = mark_param_derived(quantizers.weight.quantize(weight, rowwise=True, columnwise=True))
@@ -166,4 +258,4 @@ def linear(
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)})"
         )
     return _Linear.apply(x, weight, bias, w_fp8, quantizers, save_original_input,
-                         fuse_wgrad_accumulation)
+                         fuse_wgrad_accumulation, comm)

@@ -67,7 +67,7 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    return torch.compile(fn, dynamic=False)
+    return torch.compile(fn)  # automatic dynamic shapes: one recompile, then any size
 
 
 def _dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,133 @@
+"""Linear benchmark (GPU): forward+backward TFLOP/s of BF16 nn.Linear, our FP8 Linear per recipe
+with save_original_input off and on, torchao's Float8Linear (tensorwise, rowwise; compiled),
+and the three block-scaled GEMMs alone (the ceiling for our block Linear).
+
+    python scripts/bench_linear.py [--shapes M,N,K ...] [--recipes current block ...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from benchlib import bar_chart, markdown_table, median_ms, write_outputs
+
+from megatron_fp8 import Linear, fp8_autocast
+from megatron_fp8 import gemm as core
+from megatron_fp8.quant import make_quantizer
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, TensorRole
+
+SHAPES = [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (16384, 7168, 2048)]
+
+
+def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe=None):
+    def step() -> None:
+        x.grad = None
+        module.weight.grad = None  # type: ignore[union-attr]
+        if recipe is None:
+            y = module(x)
+        else:
+            with fp8_autocast(fp8_recipe=recipe):
+                y = module(x)
+        y.backward(dy)
+
+    return step
+
+
+def _block_gemms_only(m: int, n: int, k: int):
+    """fprop + dgrad + wgrad of the block recipe on pre-quantized operands."""
+    blk = Float8BlockScaling()
+    qx, qw, qg = (make_quantizer(blk, r) for r in TensorRole)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    xq, wq, gq = (q.quantize(t, rowwise=True, columnwise=True) for q, t in ((qx, x), (qw, w), (qg, dy)))
+    st, sw = F.ScalingType, F.SwizzleType.NO_SWIZZLE
+    lay = core._block_scale_layout
+    calls = []
+    for a, b in ((xq.rowwise, wq.rowwise), (gq.rowwise, wq.columnwise), (gq.columnwise, xq.columnwise)):
+        kinds = {core.L.BLOCK_1x128: st.BlockWise1x128, core.L.BLOCK_128x128: st.BlockWise128x128}
+        sa, sb, ka, kb = lay(a), lay(b), kinds[a.layout], kinds[b.layout]
+        calls.append((a.data, b.data.t(), sa, ka, sb, kb))
+
+    def run() -> None:
+        for a, b, sa, ka, sb, kb in calls:
+            F.scaled_mm(a, b, sa, ka, sb, kb, swizzle_a=sw, swizzle_b=sw, output_dtype=torch.bfloat16)
+
+    return run
+
+
+def _torchao(k: int, n: int, recipe_name: str):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mod = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    convert_to_float8_training(mod, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    compiled = torch.compile(mod)
+    compiled.weight = mod[0].weight  # for _fwd_bwd's grad reset
+    return compiled
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples")
+    ap.add_argument("--recipes", nargs="*", default=["current", "delayed", "blockwise"])
+    ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    rows, series = [], {}
+
+    def record(shape: str, name: str, ms: float, flops: float, bf16_ms: float, note: str = "") -> None:
+        tf = flops / ms / 1e9
+        rows.append([shape, name, ms, tf, f"{bf16_ms / ms:.2f}x", note])
+        series.setdefault(name, []).append(tf)
+        print(f"{shape} | {name} | {ms:.3f} ms | {tf:.0f} TFLOP/s | {bf16_ms / ms:.2f}x BF16 {note}", flush=True)
+
+    for m, n, k in shapes:
+        shape, flops = f"{m}x{n}x{k}", 6 * m * n * k
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+        bf16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = median_ms(_fwd_bwd(bf16, x, dy))
+        record(shape, "bf16 nn.Linear", bf16_ms, flops, bf16_ms)
+        del bf16
+        gemm_only = None
+        if "blockwise" in args.recipes:
+            gemm_only = median_ms(_block_gemms_only(m, n, k))
+            record(shape, "block GEMMs only", gemm_only, flops, bf16_ms, "3 scaled_mm, no casts")
+        for rname in args.recipes:
+            t = {}
+            for flag in (False, True):
+                layer = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                               save_original_input=flag)
+                t[flag] = median_ms(_fwd_bwd(layer, x, dy, PRESETS[rname]))
+                note = ""
+                if flag:
+                    note = f"flag cost {t[True] / t[False] - 1:+.1%}"
+                elif rname == "blockwise" and gemm_only:
+                    note = f"{gemm_only / t[False]:.0%} of block GEMM-only"
+                record(shape, f"ours {rname} flag={'on' if flag else 'off'}", t[flag], flops, bf16_ms, note)
+                del layer
+        if not args.no_torchao:
+            for ao in ("tensorwise", "rowwise"):
+                try:
+                    mod = _torchao(k, n, ao)
+                    record(shape, f"torchao {ao} (compiled)", median_ms(_fwd_bwd(mod, x, dy)), flops, bf16_ms)
+                except Exception as e:  # report, never hide
+                    rows.append([shape, f"torchao {ao}", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
+                    print(rows[-1], flush=True)
+        del x, dy
+        torch.cuda.empty_cache()
+    header = ["M x N x K", "path", "ms fwd+bwd", "TFLOP/s", "vs BF16", "note"]
+    md = markdown_table(header, rows)
+    print(md)
+    write_outputs("bench_linear", "Linear forward+backward", md, args.out)
+    bar_chart(os.path.join(args.out, "bench_linear.png"), [f"{m}x{n}x{k}" for m, n, k in shapes],
+              {k_: v for k_, v in series.items() if len(v) == len(shapes)}, "TFLOP/s (fwd+bwd)",
+              "Linear forward+backward")
+
+
+if __name__ == "__main__":
+    main()

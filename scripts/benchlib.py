@@ -1,0 +1,75 @@
+"""Shared plumbing for the GPU benchmark scripts: timing, environment line, tables, plots.
+
+Timing follows /work/.library/device/METHOD.md: CUDA-event timing through
+``triton.testing.do_bench`` (median), after warm-up, on random (never zero) data.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median milliseconds of ``fn`` (CUDA events; CPU wall clock when CUDA is absent)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def environment() -> str:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return (f"{dev}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def fmt(v: object) -> str:
+        return f"{v:.0f}" if isinstance(v, float) and abs(v) >= 100 else (f"{v:.3g}" if isinstance(v, float) else str(v))
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(name: str, title: str, md: str, out_dir: str | None = None) -> str:
+    """Write ``<name>.md`` under ``out_dir`` (default ``$OUT`` or ``.``); return the path."""
+    out_dir = out_dir or os.environ.get("OUT", ".")
+    path = os.path.join(out_dir, f"{name}.md")
+    with open(path, "w") as f:
+        f.write(f"## {title}\n\n{environment()}\n\n{md}\n")
+    return path
+
+
+def bar_chart(path: str, groups: Sequence[str], series: dict[str, Sequence[float]], ylabel: str,
+              title: str) -> None:
+    """Grouped bar chart (one group per shape, one bar per path)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (label, vals) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], vals, width, label=label)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
