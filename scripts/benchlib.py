@@ -39,7 +39,9 @@ def environment() -> str:
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     def fmt(v: object) -> str:
-        return f"{v:.0f}" if isinstance(v, float) and abs(v) >= 100 else (f"{v:.3g}" if isinstance(v, float) else str(v))
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
