@@ -177,16 +177,34 @@ def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) ->
             out_dtype=torch.bfloat16 if a.data.is_cuda else out_dtype, use_fast_accum=fast_accum,
         )
         return out.to(out_dtype)
+    return _native_block(a, b, out_dtype)
+
+
+_BLOCK_OUT_DTYPES: dict[torch.dtype, torch.dtype] = {}  # requested -> what cuBLAS accepted
+
+
+def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """Block-scaled GEMM; asks for ``out_dtype`` once and falls back to BF16 output (cast after)
+    if this cuBLAS refuses it, remembering the answer."""
     st = F.ScalingType
     kinds = {L.BLOCK_1x128: st.BlockWise1x128, L.BLOCK_128x128: st.BlockWise128x128}
-    out = F.scaled_mm(
-        a.data, b.data.t(),
-        _block_scale_layout(a), kinds[a.layout],
-        _block_scale_layout(b), kinds[b.layout],
-        swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE,
-        output_dtype=torch.bfloat16,  # SM90 block-scaled cuBLAS GEMMs write BF16 only
-    )
-    return out.to(out_dtype)
+
+    def run(dtype: torch.dtype) -> torch.Tensor:
+        return F.scaled_mm(
+            a.data, b.data.t(), _block_scale_layout(a), kinds[a.layout], _block_scale_layout(b),
+            kinds[b.layout], swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE,
+            output_dtype=dtype,
+        )
+
+    dtype = _BLOCK_OUT_DTYPES.get(out_dtype)
+    if dtype is None:
+        try:
+            out = run(out_dtype)
+            _BLOCK_OUT_DTYPES[out_dtype] = out_dtype
+            return out
+        except RuntimeError:
+            _BLOCK_OUT_DTYPES[out_dtype] = dtype = torch.bfloat16
+    return run(dtype).to(out_dtype)
 
 
 def emulate(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:

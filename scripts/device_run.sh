@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q -rs -s tests/test_*gpu*.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     gemm) python3 scripts/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" ;;
     linear) python3 scripts/bench_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
     *) echo "unknown step $what" ;;

@@ -1,9 +1,15 @@
-"""Device dispatch for the casts: the torch reference on CPU, fused compiled casts on CUDA.
+"""Device dispatch for the casts: the torch reference on CPU; fused kernels on CUDA.
 
-On CUDA each cast (rowwise and columnwise copies together) is one ``torch.compile``-d graph of
-the very reference functions in ``reference.py``, so the GPU computes the same arithmetic in
-one pass over the input instead of several eager kernels; the tests check the two bitwise.
-``MEGATRON_FP8_COMPILE_CASTS=0`` forces the eager reference everywhere.
+Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto`` |
+``triton`` | ``compile`` | ``eager`` pins one):
+
+* ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
+  Used for tensorwise casts and for power-of-two 1x128 / 128x128 block casts without an amax
+  epsilon (the defaults).
+* ``compile``: ``torch.compile`` of the reference functions below (other block options, MXFP8).
+* ``eager``: the reference itself.
+
+Every backend computes the reference's arithmetic; the GPU tests compare them bitwise.
 """
 
 from __future__ import annotations
@@ -18,78 +24,138 @@ import torch
 from . import reference as ref
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+Copies = tuple[Pair | None, Pair | None]
+_BACKENDS = ("auto", "triton", "compile", "eager")
 
 
-def _tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
-                columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def cast_backend() -> str:
+    v = os.environ.get("MEGATRON_FP8_CAST_BACKEND", "auto").lower()
+    if v not in _BACKENDS:
+        raise ValueError(f"MEGATRON_FP8_CAST_BACKEND={v!r}; allowed: {', '.join(_BACKENDS)}")
+    return v
+
+
+@functools.cache
+def _triton() -> Any | None:
+    try:
+        from . import triton_cast
+    except ImportError:
+        return None
+    return triton_cast
+
+
+# ---- reference compositions (the CPU path and what `compile` compiles) ----------------------
+def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+                    columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     row = ref.cast_to_fp8(x, scale, dtype) if rowwise else None
     if not columnwise:
-        col = None
-    elif row is not None:
-        col = row.t().contiguous()  # elementwise cast: transposing the data is exact
-    else:
-        col = ref.cast_to_fp8(x.t(), scale, dtype).contiguous()
+        return row, None
+    col = row if row is not None else ref.cast_to_fp8(x, scale, dtype)  # elementwise: transpose is exact
+    return row, col.t().contiguous()
+
+
+def _columns_1d(x: torch.Tensor, cast: Callable[..., Pair], block: int, what: str, **kw: Any) -> Pair:
+    """Columnwise copy ``[K, M]`` of ``x [M, K]``: blocks of ``block`` rows within each column."""
+    if x.dim() != 2 or x.shape[0] % block:
+        raise ValueError(
+            f"{what}: shape {tuple(x.t().shape)} has contraction extent {x.shape[0]}, which must be a "
+            f"multiple of the block size {block}; pad the tokens to a multiple of {block}"
+        )
+    data, s = cast(x.t(), block=block, what=what, **kw)
+    return data.contiguous(), s.contiguous()
+
+
+def _blocks_1d_ref(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+                   pow2: bool, eps: float, name: str) -> Copies:
+    kw: dict[str, Any] = dict(power_2_scale=pow2, amax_epsilon=eps)
+    cast = functools.partial(ref.cast_blocks_1d, fp8_dtype=dtype)
+    row = cast(x, block=block, what=f"{name} (rowwise 1x{block})", **kw) if rowwise else None
+    col = _columns_1d(x, cast, block, f"{name} (columnwise 1x{block} along dim 0)", **kw) if columnwise else None
     return row, col
 
 
-def _blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
-               pow2: bool, eps: float, name: str) -> tuple[Pair | None, Pair | None]:
-    kw: dict[str, Any] = dict(block=block, power_2_scale=pow2, amax_epsilon=eps)
-    row = ref.cast_blocks_1d(x, dtype, what=f"{name} (rowwise 1x{block})", **kw) if rowwise else None
-    col = (
-        ref.cast_blocks_1d(x.t(), dtype, what=f"{name} (columnwise 1x{block} along dim 0)", **kw)
-        if columnwise else None
-    )
+def _blocks_2d_ref(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+                   pow2: bool, eps: float, name: str) -> Copies:
+    data, s = ref.cast_blocks_2d(x, dtype, block=block, power_2_scale=pow2, amax_epsilon=eps, what=name)
+    col = (data.t().contiguous(), s.t().contiguous()) if columnwise else None  # same blocks, transposed
+    return ((data, s) if rowwise else None), col
+
+
+def _mx_ref(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+            name: str) -> Copies:
+    cast = functools.partial(ref.cast_mx, fp8_dtype=dtype)
+    row = cast(x, block=block, what=f"{name} (rowwise 1x{block})") if rowwise else None
+    col = _columns_1d(x, cast, block, f"{name} (columnwise 1x{block} along dim 0)") if columnwise else None
     return row, col
 
 
-def _blocks_2d(x: torch.Tensor, dtype: torch.dtype, block: int, pow2: bool, eps: float,
-               name: str) -> Pair:
-    return ref.cast_blocks_2d(x, dtype, block=block, power_2_scale=pow2, amax_epsilon=eps, what=name)
-
-
-def _mx(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
-        name: str) -> tuple[Pair | None, Pair | None]:
-    row = ref.cast_mx(x, dtype, block=block, what=f"{name} (rowwise 1x{block})") if rowwise else None
-    col = (
-        ref.cast_mx(x.t(), dtype, block=block, what=f"{name} (columnwise 1x{block} along dim 0)")
-        if columnwise else None
-    )
-    return row, col
-
-
-def compile_enabled() -> bool:
-    return os.environ.get("MEGATRON_FP8_COMPILE_CASTS", "1") != "0"
-
-
+# ---- dispatch --------------------------------------------------------------------------------
 @functools.cache
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    return torch.compile(fn)  # automatic dynamic shapes: one recompile, then any size
+    return torch.compile(fn)
 
 
-def _dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def run(x: torch.Tensor, *args: Any) -> Any:
-        if x.is_cuda and compile_enabled():
-            _check_shapes(fn, x, args)
-            return _compiled(fn)(x, *args)
-        return fn(x, *args)
-
-    return run
+def _contiguous(out: Any) -> Any:
+    """Compiled graphs may return outputs in another stride order; GEMMs need row-major data."""
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    if isinstance(out, tuple):
+        return tuple(_contiguous(o) for o in out)
+    return out
 
 
-def _check_shapes(fn: Callable[..., Any], x: torch.Tensor, args: tuple[Any, ...]) -> None:
-    """Raise the reference's clear shape errors before compiling (not a compiler trace)."""
-    if fn is _tensorwise:
-        return
-    with torch.device("meta"):
-        fn(torch.empty(x.shape, dtype=x.dtype), *args)
+def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
+         triton_call: Callable[[], Any] | None = None) -> Any:
+    backend = cast_backend() if x.is_cuda else "eager"
+    if backend in ("auto", "triton") and triton_ok and _triton() is not None and triton_call is not None:
+        with torch.device("meta"):  # the reference's clear shape errors, before any kernel
+            fn(torch.empty(x.shape, dtype=x.dtype), *args)
+        return triton_call()
+    if backend == "triton":
+        raise RuntimeError(f"MEGATRON_FP8_CAST_BACKEND=triton, but {fn.__name__} has no Triton kernel "
+                           "for these options (or Triton is missing); use 'auto'")
+    if backend in ("auto", "compile"):
+        with torch.device("meta"):
+            fn(torch.empty(x.shape, dtype=x.dtype), *args)
+        return _contiguous(_compiled(fn)(x, *args))
+    return fn(x, *args)
 
 
-cast_tensorwise = _dispatch(_tensorwise)
-cast_blocks_1d_both = _dispatch(_blocks_1d)
-cast_blocks_2d = _dispatch(_blocks_2d)
-cast_mx_both = _dispatch(_mx)
+def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+                    columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-tensor cast: ``(row [M, K] | None, col [K, M] | None)``."""
+    def tri() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        row, col = _triton().cast_tiles(x, dtype, "tensor", rowwise, columnwise, scale.float())
+        return (row[0] if row else None), (col[0] if col else None)
+
+    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri)
+
+
+def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+                   pow2: bool, eps: float, name: str) -> Copies:
+    """1x``block`` tiles: rowwise ``([M, K], [M, K/b])``, columnwise ``([K, M], [K, M/b])``."""
+    ok = block == 128 and pow2 and eps == 0.0
+    return _run(_blocks_1d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
+                triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise))
+
+
+def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+                   pow2: bool, eps: float, name: str) -> Copies:
+    """``block``x``block`` tiles; the columnwise copy is the rowwise one transposed."""
+    ok = block == 128 and pow2 and eps == 0.0
+
+    def tri() -> Copies:
+        row, col = _triton().cast_tiles(x, dtype, "128x128", True, columnwise)
+        return (row if rowwise else None), col
+
+    return _run(_blocks_2d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
+                triton_call=tri)
+
+
+def cast_mx(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
+            name: str) -> Copies:
+    """MXFP8 1x``block`` tiles with E8M0 exponents (no Triton kernel: emulated GEMMs on SM90)."""
+    return _run(_mx_ref, x, dtype, rowwise, columnwise, block, name, triton_ok=False)

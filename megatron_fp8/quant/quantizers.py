@@ -221,7 +221,7 @@ class Block1DQuantizer(Quantizer):
                  scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
         _check_2d(x, self.name)
         qt = self._new(x)
-        row, col = kernels.cast_blocks_1d_both(
+        row, col = kernels.cast_blocks_1d(
             x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale, self.amax_epsilon,
             self.name,
         )
@@ -247,13 +247,14 @@ class Block2DQuantizer(Quantizer):
                  scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
         _check_2d(x, self.name)
         qt = self._new(x)
-        data, sinv = kernels.cast_blocks_2d(
-            x, self.fp8_dtype, self.block, self.power_2_scale, self.amax_epsilon, self.name
+        row, col = kernels.cast_blocks_2d(
+            x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale, self.amax_epsilon,
+            self.name,
         )
-        if rowwise:
-            qt.rowwise = Operand(data, sinv, self.layout)
-        if columnwise:
-            qt.columnwise = Operand(data.t().contiguous(), sinv.t().contiguous(), self.layout)
+        if row is not None:
+            qt.rowwise = Operand(*row, self.layout)
+        if col is not None:
+            qt.columnwise = Operand(*col, self.layout)
         return qt
 
 
@@ -270,7 +271,7 @@ class MXFP8Quantizer(Quantizer):
                  scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
         _check_2d(x, self.name)
         qt = self._new(x)
-        row, col = kernels.cast_mx_both(x, self.fp8_dtype, rowwise, columnwise, self.block, self.name)
+        row, col = kernels.cast_mx(x, self.fp8_dtype, rowwise, columnwise, self.block, self.name)
         if row is not None:
             qt.rowwise = Operand(*row, self.layout)
         if col is not None:

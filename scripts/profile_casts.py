@@ -1,0 +1,50 @@
+"""Cast-cost breakdown (GPU): time each quantizer call of a Linear step, compiled and eager,
+against the bytes it must move. Prints a table; used to find where the Linear loses time.
+
+    python scripts/profile_casts.py [--shape M,N,K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from benchlib import markdown_table, median_ms
+
+from megatron_fp8.quant import make_quantizer
+from megatron_fp8.recipe import PRESETS, TensorRole
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="16384,14336,4096")
+    ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    args = ap.parse_args()
+    m, n, k = (int(v) for v in args.shape.split(","))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for backend in ("auto", "compile", "eager"):
+        os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
+        for rname in args.recipes:
+            r = PRESETS[rname]
+            for role, t, kw in ((TensorRole.INPUT, x, dict(rowwise=True, columnwise=True)),
+                                (TensorRole.INPUT, x, dict(rowwise=True, columnwise=False)),
+                                (TensorRole.INPUT, x, dict(rowwise=False, columnwise=True)),
+                                (TensorRole.WEIGHT, w, dict(rowwise=True, columnwise=True)),
+                                (TensorRole.GRAD_OUTPUT, dy, dict(rowwise=True, columnwise=True))):
+                q = make_quantizer(r, role)
+                ms = median_ms(lambda q=q, t=t, kw=kw: q.quantize(t, **kw), rep_ms=100)
+                copies = int(kw["rowwise"]) + int(kw["columnwise"])
+                nbytes = t.numel() * (2 + copies)
+                rows.append([backend, rname, role.value,
+                             f"{'r' if kw['rowwise'] else ''}{'c' if kw['columnwise'] else ''}",
+                             ms * 1e3, nbytes / ms / 1e9])
+                print(rows[-1], flush=True)
+    print(markdown_table(["casts", "recipe", "tensor", "copies", "us", "GB/s"], rows))
+
+
+if __name__ == "__main__":
+    main()
