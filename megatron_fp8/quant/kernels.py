@@ -108,18 +108,21 @@ def _contiguous(out: Any) -> Any:
 
 
 def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
-         triton_call: Callable[[], Any] | None = None) -> Any:
-    backend = cast_backend() if x.is_cuda else "eager"
-    if backend in ("auto", "triton") and triton_ok and _triton() is not None and triton_call is not None:
-        with torch.device("meta"):  # the reference's clear shape errors, before any kernel
+         triton_call: Callable[[], Any] | None = None, shape_check: bool = True) -> Any:
+    """Run a cast on the chosen backend. ``shape_check``: first run the reference on meta
+    tensors so that bad shapes raise its clear errors, not a kernel's."""
+    backend = cast_backend()
+    if not x.is_cuda and backend in ("auto", "triton"):
+        backend = "eager"  # `compile` may be forced on CPU (for testing the compiled path)
+    if backend != "eager" and shape_check:
+        with torch.device("meta"):
             fn(torch.empty(x.shape, dtype=x.dtype), *args)
+    if backend in ("auto", "triton") and triton_ok and _triton() is not None and triton_call is not None:
         return triton_call()
     if backend == "triton":
         raise RuntimeError(f"MEGATRON_FP8_CAST_BACKEND=triton, but {fn.__name__} has no Triton kernel "
                            "for these options (or Triton is missing); use 'auto'")
     if backend in ("auto", "compile"):
-        with torch.device("meta"):
-            fn(torch.empty(x.shape, dtype=x.dtype), *args)
         return _contiguous(_compiled(fn)(x, *args))
     return fn(x, *args)
 
@@ -131,7 +134,8 @@ def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
         row, col = _triton().cast_tiles(x, dtype, "tensor", rowwise, columnwise, scale.float())
         return (row[0] if row else None), (col[0] if col else None)
 
-    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri)
+    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri,
+                shape_check=False)
 
 
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
