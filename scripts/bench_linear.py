@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples")
     ap.add_argument("--recipes", nargs="*", default=["current", "delayed", "blockwise"])
-    ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--torchao", nargs="*", default=["tensorwise", "rowwise"], help="torchao recipes ('' for none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
@@ -110,8 +110,8 @@ def main() -> None:
                     note = f"{gemm_only / t[False]:.0%} of block GEMM-only"
                 record(shape, f"ours {rname} flag={'on' if flag else 'off'}", t[flag], flops, bf16_ms, note)
                 del layer
-        if not args.no_torchao:
-            for ao in ("tensorwise", "rowwise"):
+        if args.torchao:
+            for ao in args.torchao:
                 try:
                     mod = _torchao(k, n, ao)
                     record(shape, f"torchao {ao} (compiled)", median_ms(_fwd_bwd(mod, x, dy)), flops, bf16_ms)

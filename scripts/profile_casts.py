@@ -20,13 +20,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="16384,14336,4096")
     ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    ap.add_argument("--backends", nargs="*", default=["auto", "compile", "eager"])
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split(","))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for backend in ("auto", "compile", "eager"):
+    for backend in args.backends:
         os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
         for rname in args.recipes:
             r = PRESETS[rname]
@@ -41,7 +42,7 @@ def main() -> None:
                 nbytes = t.numel() * (2 + copies)
                 rows.append([backend, rname, role.value,
                              f"{'r' if kw['rowwise'] else ''}{'c' if kw['columnwise'] else ''}",
-                             ms * 1e3, nbytes / ms / 1e9])
+                             ms * 1e3, nbytes / ms / 1e6])
                 print(rows[-1], flush=True)
     print(markdown_table(["casts", "recipe", "tensor", "copies", "us", "GB/s"], rows))
 
