@@ -71,3 +71,14 @@ def _default_dp_cp_group(owner: str) -> dist.ProcessGroup:
         f"metadata={{'dp_cp_group': <data-parallel group>}} (a group of this rank alone when "
         f"there is no data parallelism)"
     )
+
+
+def model_parallel_rng_tracker() -> Any | None:
+    """megatron-core's CUDA RNG tracker when it holds the model-parallel states, else None."""
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except ImportError:
+        return None
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states() if hasattr(tracker, "get_states") else {}
+    return tracker if states else None

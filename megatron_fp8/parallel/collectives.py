@@ -3,7 +3,9 @@
 Every function returns a ``Pending``: the collective is already launched (``async_op=True``),
 ``wait()`` finishes it and returns the result, so callers can run a GEMM in between (the overlap
 of issue 4). On a group of one rank nothing is launched. FP8 payloads travel as ``uint8`` views
-(bit-exact; neither gloo nor every NCCL build has FP8 dtypes). Names: ``tp`` = group size,
+(bit-exact; neither gloo nor every NCCL build has FP8 dtypes). Only "no process group at
+all" short-circuits: a group of one rank still runs the (trivial) collective, which is how the
+async path is tested on one GPU. Names: ``tp`` = group size,
 ``M`` = tokens (dim 0, the sequence-parallel dim), ``K`` = features.
 """
 
@@ -69,7 +71,7 @@ def all_gather_tokens(x_local: torch.Tensor, group: Group) -> Pending | Done:
     x_local      ``[M/tp, ...]``        x ``[M, ...]``
     ===========  =====================  ======================
     """
-    if group_size(group) == 1:
+    if group is None:
         return Done(x_local)
     work, out = _gather_dim0(x_local, group)
     return Pending([work], lambda: out.view(x_local.dtype) if out.dtype != x_local.dtype else out)
@@ -84,9 +86,9 @@ def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "te
     x_partial    ``[M, ...]`` (partial)  x_local ``[M/tp, ...]``
     ===========  =====================  ======================
     """
-    tp = group_size(group)
-    if tp == 1:
+    if group is None:
         return Done(x_partial)
+    tp = group_size(group)
     if x_partial.shape[0] % tp:
         raise ValueError(
             f"{what}: sequence-parallel reduce-scatter splits dim 0 (the sequence) of shape "
@@ -99,8 +101,9 @@ def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "te
     return Pending([work], lambda: out)
 
 
-def all_reduce(x_partial: torch.Tensor, group: Group) -> Pending | Done:
-    """Sum over the group into a new tensor (``x_partial`` is left untouched).
+def all_reduce(x_partial: torch.Tensor, group: Group, *, inplace: bool = False) -> Pending | Done:
+    """Sum over the group; into ``x_partial`` itself with ``inplace`` (it must be contiguous),
+    else into a new tensor.
 
     ===========  =====================  ======================
     tensor       in                     out
@@ -108,9 +111,10 @@ def all_reduce(x_partial: torch.Tensor, group: Group) -> Pending | Done:
     x_partial    ``[...]`` (partial)    x ``[...]`` (summed)
     ===========  =====================  ======================
     """
-    if group_size(group) == 1:
+    if group is None:
         return Done(x_partial)
-    out = x_partial.clone(memory_format=torch.contiguous_format)
+    out = x_partial if inplace and x_partial.is_contiguous() else x_partial.clone(
+        memory_format=torch.contiguous_format)
     work = dist.all_reduce(out, group=group, async_op=True)
     return Pending([work], lambda: out)
 
@@ -131,9 +135,9 @@ def all_gather_fp8(op: Operand, group: Group, *, columnwise: bool) -> Pending | 
     columnwise scale_inv ``[K, M/tp/b]``              ``[K, M/b]``
     ===================  ==========================  ==========================
     """
-    tp = group_size(group)
-    if tp == 1:
+    if group is None:
         return Done(op)
+    tp = group_size(group)
     token_sharded = {ScaleLayout.TENSOR, ScaleLayout.BLOCK_1x128, ScaleLayout.MX_1x32}
     if not columnwise:
         token_sharded.add(ScaleLayout.ROW)  # one scale per token row

@@ -26,8 +26,9 @@ from . import collectives as C
 
 @dataclass(frozen=True)
 class ColumnComm:
-    """Token-dim hooks over ``group``: gather tokens iff ``sequence_parallel``; reduce dgrad
-    (reduce-scatter with SP, else all-reduce) iff ``reduce_dgrad``."""
+    """Token-dim hooks over ``group``: with ``sequence_parallel`` gather tokens and always
+    reduce-scatter dgrad (dx must come back as the local shard); without it all-reduce dgrad
+    iff ``reduce_dgrad_enabled`` (Megatron's ``disable_grad_reduce`` turns it off)."""
 
     group: dist.ProcessGroup | None
     sequence_parallel: bool
@@ -43,8 +44,8 @@ class ColumnComm:
         return C.all_gather_fp8(op, self.group, columnwise=columnwise)
 
     def reduce_dgrad(self, dx_partial: torch.Tensor) -> Pending:
-        if not self.reduce_dgrad_enabled:
-            return Done(dx_partial)
         if self.sequence_parallel:
             return C.reduce_scatter_tokens(dx_partial, self.group, f"{self.name} dgrad")
-        return C.all_reduce(dx_partial, self.group)
+        if not self.reduce_dgrad_enabled:
+            return Done(dx_partial)
+        return C.all_reduce(dx_partial, self.group, inplace=True)  # dx is ours: no copy

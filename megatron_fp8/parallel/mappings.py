@@ -29,7 +29,9 @@ __all__ = ["reduce_from_region", "reduce_scatter_to_sequence", "scatter_to_regio
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y_partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
-        return C.all_reduce(y_partial, group).wait()
+        # y_partial is the row layer's own GEMM output, saved by nothing: summing into its
+        # storage (as Megatron does) saves a copy of the output.
+        return C.all_reduce(y_partial.detach(), group, inplace=True).wait()
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -54,13 +54,16 @@ def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
     return row, col.t().contiguous()
 
 
+def _check_1d(x: torch.Tensor, rowwise: bool, columnwise: bool, block: int, name: str) -> None:
+    """Shape checks of 1 x ``block`` casts, without touching data (cheap: no kernel, no trace)."""
+    if rowwise:
+        ref.check_block_shape(tuple(x.shape), block, f"{name} (rowwise 1x{block})")
+    if columnwise:
+        ref.check_block_shape(tuple(x.shape[::-1]), block, f"{name} (columnwise 1x{block} along dim 0)")
+
+
 def _columns_1d(x: torch.Tensor, cast: Callable[..., Pair], block: int, what: str, **kw: Any) -> Pair:
     """Columnwise copy ``[K, M]`` of ``x [M, K]``: blocks of ``block`` rows within each column."""
-    if x.dim() != 2 or x.shape[0] % block:
-        raise ValueError(
-            f"{what}: shape {tuple(x.t().shape)} has contraction extent {x.shape[0]}, which must be a "
-            f"multiple of the block size {block}; pad the tokens to a multiple of {block}"
-        )
     data, s = cast(x.t(), block=block, what=what, **kw)
     return data.contiguous(), s.contiguous()
 
@@ -108,15 +111,14 @@ def _contiguous(out: Any) -> Any:
 
 
 def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
-         triton_call: Callable[[], Any] | None = None, shape_check: bool = True) -> Any:
-    """Run a cast on the chosen backend. ``shape_check``: first run the reference on meta
-    tensors so that bad shapes raise its clear errors, not a kernel's."""
+         triton_call: Callable[[], Any] | None = None, check: Callable[[], None] | None = None) -> Any:
+    """Run a cast on the chosen backend; ``check`` raises the reference's clear shape errors
+    before any kernel or compiler sees a bad shape."""
     backend = cast_backend()
     if not x.is_cuda and backend in ("auto", "triton"):
         backend = "eager"  # `compile` may be forced on CPU (for testing the compiled path)
-    if backend != "eager" and shape_check:
-        with torch.device("meta"):
-            fn(torch.empty(x.shape, dtype=x.dtype), *args)
+    if check is not None:
+        check()
     if backend in ("auto", "triton") and triton_ok and _triton() is not None and triton_call is not None:
         return triton_call()
     if backend == "triton":
@@ -134,8 +136,7 @@ def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
         row, col = _triton().cast_tiles(x, dtype, "tensor", rowwise, columnwise, scale.float())
         return (row[0] if row else None), (col[0] if col else None)
 
-    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri,
-                shape_check=False)
+    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri)
 
 
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
@@ -143,7 +144,8 @@ def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
     """1x``block`` tiles: rowwise ``([M, K], [M, K/b])``, columnwise ``([K, M], [K, M/b])``."""
     ok = block == 128 and pow2 and eps == 0.0
     return _run(_blocks_1d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
-                triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise))
+                triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise),
+                check=lambda: _check_1d(x, rowwise, columnwise, block, name))
 
 
 def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
@@ -156,10 +158,11 @@ def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
         return (row if rowwise else None), col
 
     return _run(_blocks_2d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
-                triton_call=tri)
+                triton_call=tri, check=lambda: ref.check_block_shape_2d(tuple(x.shape), block, name))
 
 
 def cast_mx(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
             name: str) -> Copies:
     """MXFP8 1x``block`` tiles with E8M0 exponents (no Triton kernel: emulated GEMMs on SM90)."""
-    return _run(_mx_ref, x, dtype, rowwise, columnwise, block, name, triton_ok=False)
+    return _run(_mx_ref, x, dtype, rowwise, columnwise, block, name, triton_ok=False,
+                check=lambda: _check_1d(x, rowwise, columnwise, block, name))

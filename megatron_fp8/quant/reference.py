@@ -61,15 +61,20 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
     return torch.clamp(x.float() * scale, min=-m, max=m).to(fp8_dtype)
 
 
-def _blocked_rows(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
-    """View ``[rows, k]`` as ``[rows, k // block, block]``, or raise naming the requirement."""
-    if x.dim() != 2:
-        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(x.shape)}")
-    if x.shape[1] % block:
+def check_block_shape(shape: tuple[int, ...], block: int, what: str) -> None:
+    """Raise unless ``shape`` is 2-D with a contraction (last) extent divisible by ``block``."""
+    if len(shape) != 2:
+        raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(shape)}")
+    if shape[1] % block:
         raise ValueError(
-            f"{what}: shape {tuple(x.shape)} has contraction extent {x.shape[1]}, which must be "
+            f"{what}: shape {tuple(shape)} has contraction extent {shape[1]}, which must be "
             f"a multiple of the block size {block}; pad the tensor or pick a size divisible by {block}"
         )
+
+
+def _blocked_rows(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """View ``[rows, k]`` as ``[rows, k // block, block]``, or raise naming the requirement."""
+    check_block_shape(tuple(x.shape), block, what)
     return x.reshape(x.shape[0], x.shape[1] // block, block)
 
 
@@ -102,6 +107,14 @@ def cast_blocks_1d(
     return data, torch.reciprocal(scale)
 
 
+def check_block_shape_2d(shape: tuple[int, ...], block: int, what: str) -> None:
+    if len(shape) != 2 or shape[0] % block or shape[1] % block:
+        raise ValueError(
+            f"{what}: shape {tuple(shape)} must be 2-D with both dims multiples of {block} "
+            f"for {block}x{block} block scaling"
+        )
+
+
 @torch.no_grad()
 def cast_blocks_2d(
     x: torch.Tensor,
@@ -116,11 +129,7 @@ def cast_blocks_2d(
 
     Returns ``(data [rows, k], scale_inv [rows // block, k // block])``.
     """
-    if x.dim() != 2 or x.shape[0] % block or x.shape[1] % block:
-        raise ValueError(
-            f"{what}: shape {tuple(x.shape)} must be 2-D with both dims multiples of {block} "
-            f"for {block}x{block} block scaling"
-        )
+    check_block_shape_2d(tuple(x.shape), block, what)
     r, k = x.shape
     xb = x.reshape(r // block, block, k // block, block)
     amax = xb.abs().amax(dim=(1, 3)).float()
