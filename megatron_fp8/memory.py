@@ -45,11 +45,13 @@ class SavedTensors:
     those that are not parameters (nor FP8 copies of parameters)."""
 
     records: list[SavedTensor] = field(default_factory=list)
-    _seen: dict[tuple[int, int], SavedTensor] = field(default_factory=dict)
+    _seen: dict[int, SavedTensor] = field(default_factory=dict)
 
     def add(self, t: torch.Tensor, module: str) -> None:
         st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes()) if st.nbytes() else (id(st), 0)
+        # Identity of the storage itself (held below, so never reused while recorded): an address
+        # is not, once a recorded storage is freed by resize_(0) and its memory handed out again.
+        key = st._cdata
         if key in self._seen:
             return
         rec = SavedTensor(st, st.nbytes(), module, tuple(t.shape), t.dtype, _is_parameter(t))

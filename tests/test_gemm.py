@@ -113,7 +113,8 @@ def test_cpu_native_tensorwise_agrees_with_emulation(gemm_name: str) -> None:
         emu = core.gemm(a, b, torch.float32)
     with core.force_backend("native"), core.record_gemms() as calls:
         nat = core.gemm(a, b, torch.float32, name=gemm_name)
-    assert calls == [core.GemmCall(gemm_name, core.Backend.NATIVE, (ScaleLayout.TENSOR,) * 2, (a.shape[0], b.shape[0], a.shape[1]))]
+    mnk = (a.shape[0], b.shape[0], a.shape[1])
+    assert calls == [core.GemmCall(gemm_name, core.Backend.NATIVE, (ScaleLayout.TENSOR,) * 2, mnk)]
     torch.testing.assert_close(nat, emu, rtol=1e-5, atol=1e-5 * emu.abs().max().item())
 
 

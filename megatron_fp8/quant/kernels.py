@@ -111,7 +111,8 @@ def _contiguous(out: Any) -> Any:
 
 
 def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
-         triton_call: Callable[[], Any] | None = None, check: Callable[[], None] | None = None) -> Any:
+         triton_call: Callable[[], Any] | None = None, check: Callable[[], None] | None = None,
+         compile_ok: bool = True) -> Any:
     """Run a cast on the chosen backend; ``check`` raises the reference's clear shape errors
     before any kernel or compiler sees a bad shape."""
     backend = cast_backend()
@@ -124,7 +125,7 @@ def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
     if backend == "triton":
         raise RuntimeError(f"MEGATRON_FP8_CAST_BACKEND=triton, but {fn.__name__} has no Triton kernel "
                            "for these options (or Triton is missing); use 'auto'")
-    if backend in ("auto", "compile"):
+    if backend in ("auto", "compile") and compile_ok:
         return _contiguous(_compiled(fn)(x, *args))
     return fn(x, *args)
 
@@ -163,6 +164,8 @@ def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
 
 def cast_mx(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
             name: str) -> Copies:
-    """MXFP8 1x``block`` tiles with E8M0 exponents (no Triton kernel: emulated GEMMs on SM90)."""
+    """MXFP8 1x``block`` tiles with E8M0 exponents. No fused kernel: SM90 emulates MXFP8 GEMMs
+    (an FP32 matmul dwarfs the cast), so ``auto`` runs the eager reference here."""
+    compile_forced = cast_backend() == "compile"
     return _run(_mx_ref, x, dtype, rowwise, columnwise, block, name, triton_ok=False,
-                check=lambda: _check_1d(x, rowwise, columnwise, block, name))
+                check=lambda: _check_1d(x, rowwise, columnwise, block, name), compile_ok=compile_forced)
