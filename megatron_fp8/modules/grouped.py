@@ -1,0 +1,119 @@
+"""Single-device FP8 ``GroupedLinear``: the local experts' linears run as one grouped call.
+
+Parameters are ``weight0..weight{n-1}`` (and ``bias0..``), as Megatron and Transformer Engine
+name them, so checkpoints map. Each expert has its own quantizers (``FP8Module`` key
+``weight{i}``), so delayed-scaling histories and per-tensor scales are per expert, exactly as in
+a list of separate ``Linear`` layers (see ``ops.grouped_linear``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..ops.grouped_linear import grouped_linear
+from ..ops.linear import LinearQuantizers
+from ..quant.tensor import QuantizedTensor
+from .base import FP8Module
+
+__all__ = ["GroupedLinear"]
+
+
+def _default_init(w: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+
+class GroupedLinear(FP8Module):
+    """``num_gemms`` experts' ``y_i = x_i @ weight{i}.T + bias{i}`` with FP8 GEMMs inside
+    ``fp8_autocast``; ``forward(x, m_splits)`` with ``x`` the experts' tokens back to back.
+
+    Args:
+        save_original_input: save the high-precision input (once, for all experts) instead of
+            each expert's columnwise FP8 copy (RECIPES.md); settable after construction.
+        skip_bias_add: return ``(y, [bias0, ...])`` and leave the adds to the caller.
+        fuse_wgrad_accumulation: accumulate each expert's wgrad into its ``main_grad`` in FP32.
+        name: used in error messages (e.g. ``"decoder.layers.3.mlp.experts.linear_fc1"``).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        save_original_input: bool = False,
+        skip_bias_add: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._owner = f"{type(self).__name__}({name})" if name else type(self).__name__
+        if num_gemms < 1:
+            raise ValueError(f"{self._owner}: num_gemms={num_gemms}; a grouped layer needs at least one expert")
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"{self._owner}({in_features}, {out_features}): sizes must be positive")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        dtype = params_dtype or torch.get_default_dtype()
+        for i in range(num_gemms):
+            w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+            with torch.no_grad():
+                (init_method or _default_init)(w)
+            self.register_parameter(f"weight{i}", w)
+            b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+            self.register_parameter(f"bias{i}", b)
+        self.use_bias = bias
+        self.save_original_input = save_original_input
+        self.skip_bias_add = skip_bias_add
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def fp8_operands(
+        self, is_first_microbatch: bool | None
+    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
+        """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
+        qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]
+        if qs[0] is None:
+            return None, None
+        for q in qs:
+            self._prepare_quantizers(q)  # type: ignore[arg-type]
+        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch) for i, q in enumerate(qs)]  # type: ignore[arg-type]
+        return qs, w_fp8  # type: ignore[return-value]
+
+    def _prepare_quantizers(self, q: LinearQuantizers) -> None:
+        """Hook for parallel subclasses (amax groups); nothing on one device."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        m_splits: Sequence[int] | torch.Tensor,
+        is_first_microbatch: bool | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """``x [..., in_features]`` (rows = tokens of expert 0, then expert 1, ...) ->
+        ``y [..., out_features]``; ``(y, biases)`` with ``skip_bias_add``."""
+        qs, w_fp8 = self.fp8_operands(is_first_microbatch)
+        y = grouped_linear(
+            x, self.weights, None if self.skip_bias_add else self.biases, m_splits,
+            w_fp8=w_fp8, quantizers=qs, save_original_input=self.save_original_input,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, name=self._owner,
+        )
+        return (y, self.biases) if self.skip_bias_add else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}, save_original_input={self.save_original_input}"
+        )

@@ -1,0 +1,298 @@
+"""The grouped (MoE expert) linear autograd function on the GEMM core.
+
+``x [M, K]`` holds the tokens of ``n`` experts back to back, ``m_splits`` their counts
+(``sum(m_splits) == M``, zeros allowed); expert ``i`` computes ``y_i = x_i @ w_i.T + b_i``.
+Every expert's numbers are bitwise those of a separate ``ops.linear`` with the same weight and
+quantizers: the grouped function only batches the casts and GEMMs.
+
+Casts, per recipe (``ScaleLayout`` of the input / grad-output quantizer):
+
+=====================  =================================  ====================================
+layout                 rowwise copy (fprop x, dgrad dy)   columnwise copy (wgrad x, dy)
+=====================  =================================  ====================================
+TENSOR (delayed,       per expert: one scale per expert   per expert, same cast call
+current)               (its own quantizer and amax)
+1x128 (block),         one pass over all experts (the     per expert (blocks run along tokens),
+1x32 (MXFP8)           blocks never span rows), split     each expert zero-padded to a block
+=====================  =================================  ====================================
+
+Per-tensor scales are per expert, not one for the whole ``x``: that keeps the layer bitwise a
+list of separate Linears (and keeps a hot expert's amax from flattening a cold one's values).
+
+Zero padding of the columnwise copies: a 1x128 (1x32) columnwise block runs along the tokens
+of one expert, so an expert whose count is not a multiple of the block gets zero rows appended
+before its columnwise cast (x in forward or backward, dy in backward). Zeros leave every real
+block's amax, and so every real value and scale, unchanged, and add exact zeros to the wgrad
+sum: the result is that of a Linear run on the zero-padded tokens. Forward outputs and dgrad
+never see the padding.
+
+Saved for backward: per expert the columnwise FP8 copy of ``x_i`` (default), or with
+``save_original_input`` the original ``x`` object once (plus each expert's per-tensor scale);
+per expert the columnwise FP8 weight. FP8 off: ``x`` and the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..gemm import grouped_gemm, split_rows
+from ..quant.formats import ScaleLayout
+from ..quant.quantizers import Quantizer
+from ..quant.tensor import Operand, QuantizedTensor
+from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
+
+__all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
+
+
+@dataclass(frozen=True)
+class GroupedArgs:
+    """The non-tensor arguments of one grouped call.
+
+    ``w_fp8`` / ``quantizers``: one per expert (``None``: FP8 off). ``name``: the owning
+    layer, for error messages.
+    """
+
+    m_splits: tuple[int, ...]
+    w_fp8: tuple[QuantizedTensor, ...] | None
+    quantizers: tuple[LinearQuantizers, ...] | None
+    save_original_input: bool = False
+    fuse_wgrad: bool = False
+    name: str = "GroupedLinear"
+
+
+def rows_independent(layout: ScaleLayout) -> bool:
+    """True when no scale spans two rows, so a cast of all experts at once equals the
+    per-expert casts (1x128, 1x32, per-row)."""
+    return layout.block[0] == 1
+
+
+def columnwise_multiple(layout: ScaleLayout) -> int:
+    """Token count a columnwise copy in ``layout`` needs: the block length along tokens."""
+    return layout.block[1] if rows_independent(layout) and layout.block[1] else 1
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[0]) % multiple
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+# ---- casts ------------------------------------------------------------------------------------
+def _cast_split(
+    quantizers: Sequence[Quantizer],
+    t: torch.Tensor,
+    m_splits: Sequence[int],
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    scales: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[list[Operand | None], list[Operand | None], list[torch.Tensor | None]]:
+    """Cast ``t [M, C]`` per expert: ``(rowwise ops, columnwise ops, per-tensor scales)``.
+
+    Rowwise copies of row-independent layouts are cast in one pass over ``t``; columnwise
+    copies are cast per expert (zero-padded, see the module docstring). ``scales``: reuse
+    these per-tensor scales and record no amax (``save_original_input`` in backward).
+    """
+    n = len(m_splits)
+    parts = t.split(list(m_splits))
+    rows: list[Operand | None] = [None] * n
+    cols: list[Operand | None] = [None] * n
+    used: list[torch.Tensor | None] = [None] * n
+    layout = quantizers[0].layout
+    if rowwise and rows_independent(layout):
+        whole = quantizers[0].quantize(t, rowwise=True, columnwise=False)  # stateless quantizers
+        rows = list(split_rows(whole.operand("rowwise"), m_splits))
+        rowwise = False
+    multiple = columnwise_multiple(layout)
+    for i, part in enumerate(parts):
+        if not (rowwise or columnwise):
+            break
+        reuse = scales[i] if scales is not None else None
+        src = _pad_rows(part, multiple) if (columnwise and not rowwise) else part
+        qt = quantizers[i].quantize(src, rowwise=rowwise, columnwise=columnwise, scale=reuse,
+                                    record_amax=reuse is None)
+        rows[i] = qt.rowwise if rowwise else rows[i]
+        cols[i] = qt.columnwise
+        used[i] = qt.scale
+    return rows, cols, used
+
+
+def _roles(quantizers: Sequence[LinearQuantizers], role: str) -> list[Quantizer]:
+    return [getattr(q, role) for q in quantizers]
+
+
+# ---- saved-tensor bookkeeping -------------------------------------------------------------
+def _save(ctx: Any, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Save tensor groups flat; ``_load`` hands them back grouped."""
+    flat: list[torch.Tensor] = []
+    ctx.spans = []
+    for g in groups:
+        ctx.spans.append((len(flat), len(g)))
+        flat += list(g)
+    ctx.save_for_backward(*flat)
+
+
+def _load(ctx: Any) -> list[tuple[torch.Tensor, ...]]:
+    saved = ctx.saved_tensors
+    return [saved[s : s + k] for s, k in ctx.spans]
+
+
+# ---- the function ---------------------------------------------------------------------------
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, args: GroupedArgs, *params: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        n = len(args.m_splits)
+        weights, biases = params[:n], params[n:]
+        ctx.args, ctx.n, ctx.weights = args, n, weights  # Parameters: main_grad and dtype only
+        ctx.has_bias = biases[0] is not None
+        if args.quantizers is None:
+            ys = _forward_hp(ctx, x, weights)
+        else:
+            ys = _forward_fp8(ctx, x, args)
+        if ctx.has_bias:
+            ys = [y + b.to(y.dtype) for y, b in zip(ys, biases)]
+        return torch.cat(ys) if n > 1 else ys[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        args, n = ctx.args, ctx.n
+        dy = grad_out.contiguous()
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = any(ctx.needs_input_grad[2 : 2 + n])
+        wgrad_dtype = torch.float32 if args.fuse_wgrad else ctx.weights[0].dtype
+        run = _backward_fp8 if args.quantizers is not None else _backward_hp
+        dx, dws = run(ctx, dy, wgrad_dtype, need_dx, need_dw)
+        dbs: list[torch.Tensor | None] = [None] * n
+        if ctx.has_bias:
+            dbs = [d.sum(0).to(w.dtype) for d, w in zip(dy.split(list(args.m_splits)), ctx.weights)]
+        if args.fuse_wgrad:
+            dws = [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(ctx.weights, dws)]
+        return dx, None, *dws, *dbs
+
+
+def _forward_hp(ctx: Any, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    ctx.save_for_backward(x, *weights)
+    return [xi @ w.to(x.dtype).t() for xi, w in zip(x.split(list(ctx.args.m_splits)), weights)]
+
+
+def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: bool,
+                 need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    x, *weights = ctx.saved_tensors
+    splits = list(ctx.args.m_splits)
+    dys, xs = dy.split(splits), x.split(splits)
+    dx = torch.cat([d @ w.to(dy.dtype) for d, w in zip(dys, weights)]) if need_dx else None
+    dws = [(d.t() @ xi).to(wgrad_dtype) if need_dw else None for d, xi in zip(dys, xs)]
+    return dx, dws
+
+
+def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> list[torch.Tensor]:
+    """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save."""
+    assert args.quantizers is not None and args.w_fp8 is not None
+    soi = args.save_original_input
+    inputs = _roles(args.quantizers, "input")
+    x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True, columnwise=not soi)
+    w_rows = [w.operand("rowwise") for w in args.w_fp8]
+    ys = grouped_gemm(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
+    w_cols = [w.operand("columnwise") for w in args.w_fp8]
+    ctx.layouts = (inputs[0].layout, w_cols[0].layout)
+    if soi:
+        x_groups = [[x]] + [[s] if s is not None else [] for s in x_scales]
+    else:
+        x_groups = [[]] + [[c.data, c.scale_inv] for c in x_cols]
+    _save(ctx, [*x_groups, *([c.data, c.scale_inv] for c in w_cols)])
+    return ys
+
+
+def _saved_x_columnwise(ctx: Any, x_groups: Sequence[tuple[torch.Tensor, ...]]) -> list[Operand]:
+    """Each expert's columnwise x: saved, or cast now from the saved original with the forward's
+    per-expert scales (recording no amax)."""
+    args: GroupedArgs = ctx.args
+    layout = ctx.layouts[0]
+    if not args.save_original_input:
+        return [Operand(g[0], g[1], layout) for g in x_groups[1:]]
+    (x,) = x_groups[0]
+    scales = [g[0] if g else None for g in x_groups[1:]]
+    inputs = _roles(args.quantizers, "input")
+    _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True, scales=scales)
+    return cols  # type: ignore[return-value]
+
+
+def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: bool,
+                  need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    args: GroupedArgs = ctx.args
+    n = ctx.n
+    groups = _load(ctx)
+    x_groups, w_groups = groups[: n + 1], groups[n + 1 :]
+    grads = _roles(args.quantizers, "grad_output")
+    dy_rows, dy_cols, _ = _cast_split(grads, dy, args.m_splits, rowwise=need_dx, columnwise=need_dw)
+    dx = None
+    if need_dx:
+        w_cols = [Operand(d, s, ctx.layouts[1]) for d, s in w_groups]
+        dxs = grouped_gemm(dy_rows, w_cols, dy.dtype, name="dgrad")
+        dx = torch.cat(dxs) if n > 1 else dxs[0]
+    dws: list[torch.Tensor | None] = [None] * n
+    if need_dw:
+        x_cols = _saved_x_columnwise(ctx, x_groups)
+        dws = list(grouped_gemm(dy_cols, x_cols, wgrad_dtype, name="wgrad"))
+    return dx, dws
+
+
+def check_m_splits(m_splits: Sequence[int] | torch.Tensor, num_gemms: int, rows: int, owner: str) -> tuple[int, ...]:
+    """``m_splits`` as a tuple of ints, or a ValueError naming the layer and the fix."""
+    if isinstance(m_splits, torch.Tensor):
+        m_splits = m_splits.tolist()
+    splits = tuple(m_splits)
+    if len(splits) != num_gemms:
+        raise ValueError(f"{owner}: m_splits has {len(splits)} entries, but the layer has {num_gemms} "
+                         f"experts (num_gemms); pass one token count per local expert")
+    bad = [(i, m) for i, m in enumerate(splits) if isinstance(m, bool) or not isinstance(m, int) or m < 0]
+    if bad:
+        i, m = bad[0]
+        raise ValueError(f"{owner}: m_splits[{i}]={m!r}; token counts must be non-negative ints")
+    if sum(splits) != rows:
+        raise ValueError(f"{owner}: m_splits {list(splits)} sum to {sum(splits)}, but the input has {rows} "
+                         f"tokens (rows); the counts must add up to the tokens routed to these experts")
+    return splits
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None,
+    m_splits: Sequence[int] | torch.Tensor,
+    *,
+    w_fp8: Sequence[QuantizedTensor] | None = None,
+    quantizers: Sequence[LinearQuantizers] | None = None,
+    save_original_input: bool = False,
+    fuse_wgrad_accumulation: bool = False,
+    name: str = "grouped_linear",
+) -> torch.Tensor:
+    """``cat_i(x_i @ weights[i].T + biases[i])`` over the experts' token groups of ``x [..., K]``
+    (``m_splits`` counts rows of ``x`` flattened to 2-D). FP8 GEMMs when ``quantizers`` (one per
+    expert) is given; ``w_fp8``: the weights cast rowwise and columnwise (cast here if None)."""
+    n = len(weights)
+    x2d = x.reshape(-1, x.shape[-1])
+    splits = check_m_splits(m_splits, n, x2d.shape[0], name)
+    k = weights[0].shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: input has {x.shape[-1]} features (shape {tuple(x.shape)}), the experts' "
+                         f"weights expect {k}")
+    if quantizers is not None and len(quantizers) != n:
+        raise ValueError(f"{name}: {len(quantizers)} quantizer sets for {n} experts")
+    if fuse_wgrad_accumulation and not all(hasattr(w, "main_grad") for w in weights):
+        raise RuntimeError(f"{name}: fuse_wgrad_accumulation=True needs main_grad on every expert weight (an "
+                           f"FP32 buffer, as Megatron's DDP allocates); allocate it or turn the fusion off")
+    if quantizers is not None and w_fp8 is None:
+        with torch.no_grad():
+            w_fp8 = [mark_param_derived(q.weight.quantize(w, rowwise=True, columnwise=True))
+                     for q, w in zip(quantizers, weights)]
+    args = GroupedArgs(splits, tuple(w_fp8) if w_fp8 is not None else None,
+                       tuple(quantizers) if quantizers is not None else None,
+                       save_original_input, fuse_wgrad_accumulation, name)
+    bias_list = list(biases) if biases is not None else [None] * n
+    y = _GroupedLinear.apply(x2d, args, *weights, *bias_list)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

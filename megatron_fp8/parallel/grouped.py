@@ -1,0 +1,213 @@
+"""Expert tensor parallelism: column- and row-parallel grouped (MoE expert) linears with
+megatron-core's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` signature.
+
+=====================  ======================================  ==================================
+tensor (per rank)      ``ColumnParallelGroupedLinear``          ``RowParallelGroupedLinear``
+=====================  ======================================  ==================================
+input x                ``[T, K]`` (tokens of every local        ``[T, K/tp]``
+                       expert, gathered by the dispatcher)
+weight{i}              ``[N/tp, K]``                            ``[N, K/tp]``
+output y               ``[T, N/tp]``                            ``[T, N]`` partial sums
+communication          none                                     none
+=====================  ======================================  ==================================
+
+As in megatron-core (``explicit_expert_comm``), the layers never communicate: the MoE token
+dispatcher all-gathers the tokens over the expert-TP group before fc1 and reduce-scatters the
+fc2 partial sums after it. Per-tensor recipes reduce amaxes over the expert-TP group
+(``ParallelLinearBase._set_amax_groups``), so each rank's FP8 bits are the TP=1 layer's.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ops.grouped_linear import grouped_linear
+from ..ops.linear import LinearQuantizers
+from ..quant.tensor import QuantizedTensor
+from . import _mcore
+from .base import ParallelLinearBase
+from .checks import divide, warn_if_emulated
+from .groups import group_rank, group_size
+from .init import set_tp_attributes
+
+__all__ = ["ColumnParallelGroupedLinear", "RowParallelGroupedLinear"]
+
+
+class _ParallelGroupedLinear(ParallelLinearBase):
+    """Shared: ``num_gemms`` local shards ``weight{i}`` / ``bias{i}``, the grouped FP8 call, and
+    per-expert checkpoint keys. Subclasses set ``partition_dim``."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        name: str | None = None,
+        save_original_input: bool = False,
+    ) -> None:
+        super().__init__()
+        self._setup(input_size, output_size, config=config, is_expert=is_expert, tp_group=tp_group,
+                    pg_collection=pg_collection, name=name)
+        if num_gemms < 1:
+            raise ValueError(f"{self._owner}: num_gemms={num_gemms}; pass the number of local experts (>= 1)")
+        if not is_expert and self.tp_size > 1:
+            raise ValueError(f"{self._owner}: grouped linears are expert layers whose tokens the MoE dispatcher "
+                             f"moves between ranks; build them with is_expert=True")
+        self.num_gemms, self.use_bias, self.skip_bias_add = num_gemms, bias, skip_bias_add
+        self.save_original_input, self.tp_comm_buffer_name = save_original_input, tp_comm_buffer_name
+        self.ep_group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+        shape = self._local_shape()
+        for i in range(num_gemms):
+            w = self._new_weight(shape, init_method, 1, False)
+            self.register_parameter(f"weight{i}", w)
+            b = self._new_bias(shape[0], w.device) if bias else None
+            if b is not None and self.partition_dim == 0:
+                set_tp_attributes(b, True, 0, 1)
+            self.register_parameter(f"bias{i}", b)
+        self._register_load_state_dict_pre_hook(_merge_expert_extra_states)
+
+    def _local_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def _fp8_operands_grouped(
+        self, is_first_microbatch: bool | None
+    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
+        qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]
+        if qs[0] is None:
+            return None, None
+        for q in qs:
+            self._set_amax_groups(q)  # type: ignore[arg-type]
+        assert self._fp8_recipe is not None
+        warn_if_emulated(qs[0], self._fp8_recipe, self.weight0.device, self._owner)  # type: ignore[arg-type]
+        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch) for i, q in enumerate(qs)]  # type: ignore[arg-type]
+        return qs, w_fp8  # type: ignore[return-value]
+
+    def forward(
+        self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """``x`` (this rank's features, tokens of expert 0, 1, ... back to back), ``m_splits`` ->
+        ``(y, [bias0, ...] with skip_bias_add else None)``."""
+        qs, w_fp8 = self._fp8_operands_grouped(is_first_microbatch)
+        add_bias = self.use_bias and not self.skip_bias_add
+        y = grouped_linear(
+            x, self.weights, self.biases if add_bias else None, m_splits, w_fp8=w_fp8, quantizers=qs,
+            save_original_input=self.save_original_input,
+            fuse_wgrad_accumulation=self.gradient_accumulation_fusion, name=self._owner,
+        )
+        return y, (self.biases if self.skip_bias_add else None)
+
+    # ---- checkpointing: one key set per expert, as megatron-core's TEGroupedLinear ----
+    def expert_extra_state(self, i: int) -> torch.Tensor:
+        """The FP8 state of expert ``i`` alone (same format as ``get_extra_state``)."""
+        state = torch.load(io.BytesIO(self.get_extra_state().numpy().tobytes()), weights_only=True)
+        state["quantizers"] = {k: v for k, v in state["quantizers"].items() if k == f"weight{i}"}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Keys ``{prefix}weight{i}``, ``{prefix}bias{i}``, ``{prefix}_extra_state{i or ''}``,
+        each sharded over TP along ``partition_dim`` and placed at its *global* expert index on
+        a new expert axis (``ep_rank * num_gemms + i`` of ``ep_size * num_gemms``)."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        ep_size, ep_rank = group_size(self.ep_group), group_rank(self.ep_group)
+        full = self.state_dict(prefix="", keep_vars=True)
+        out: dict[str, Any] = {}
+        axis = len(sharded_offsets)
+        for i in range(self.num_gemms):
+            sd = {f"{i}.weight": full[f"weight{i}"], f"{i}._extra_state": self.expert_extra_state(i)}
+            if self.use_bias:
+                sd[f"{i}.bias"] = full[f"bias{i}"]
+            offsets = (*sharded_offsets, (axis, ep_rank * self.num_gemms + i, ep_size * self.num_gemms))
+            axis_map = {f"{i}.{k}": v for k, v in self._tp_axis_map().items()}
+            sub = _mcore.make_sharded_tensors(sd, "", axis_map, offsets, self.tp_group, metadata, self._owner)
+            replace_prefix_for_sharding(sub, f"{i}.", prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            if self.use_bias:
+                out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        return out
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_gemms={self.num_gemms}, in_features={self.input_size}, "
+                f"out_features={self.output_size}, bias={self.use_bias}, TP={self.tp_size}, "
+                f"save_original_input={self.save_original_input})")
+
+
+def _merge_expert_extra_states(state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    """Fold per-expert ``_extra_state{i}`` entries (from ``sharded_state_dict``) into the single
+    ``_extra_state`` blob that ``FP8Module.set_extra_state`` reads."""
+    keys = [k for k in state_dict if k.startswith(f"{prefix}_extra_state") and k != f"{prefix}_extra_state"]
+    if not keys:
+        return
+    merged: dict[str, Any] | None = None
+    for k in [f"{prefix}_extra_state", *keys]:
+        blob = state_dict.pop(k, None)
+        if isinstance(blob, torch.Tensor) and blob.numel():
+            part = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+            if merged is None:
+                merged = part
+            else:
+                merged["quantizers"].update(part["quantizers"])
+    buf = io.BytesIO()
+    torch.save(merged, buf)
+    state_dict[f"{prefix}_extra_state"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+class ColumnParallelGroupedLinear(_ParallelGroupedLinear):
+    """Expert fc1: each ``weight{i} [N, K]`` split along N over the expert-TP group."""
+
+    partition_dim = 0
+
+    def _local_shape(self) -> tuple[int, int]:
+        return divide(self.output_size, self.tp_size, self._owner, "output_size"), self.input_size
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {"weight": 0, "bias": 0}
+
+
+class RowParallelGroupedLinear(_ParallelGroupedLinear):
+    """Expert fc2: each ``weight{i} [N, K]`` split along K; outputs are partial sums (the
+    dispatcher reduces them), so a bias is only allowed with ``skip_bias_add`` when TP > 1."""
+
+    partition_dim = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.use_bias and self.tp_size > 1 and not self.skip_bias_add:
+            raise ValueError(f"{self._owner}: a row-parallel expert layer with a bias needs skip_bias_add=True "
+                             f"(each rank holds partial sums; the dispatcher adds the bias after reducing)")
+
+    def _local_shape(self) -> tuple[int, int]:
+        return self.output_size, divide(self.input_size, self.tp_size, self._owner, "input_size")
+
+    def _tp_axis_map(self) -> dict[str, int]:
+        return {"weight": 1}

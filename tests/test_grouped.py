@@ -1,0 +1,251 @@
+"""FP8 GroupedLinear: bitwise a list of separate Linears, flag-neutral, exact saved bytes, errors.
+
+Bitwise (torch.equal), per recipe, over two FP8 steps (delayed: the second uses the history):
+out, dx, dw, db of ``GroupedLinear`` vs one ``megatron_fp8.Linear`` per expert with the same
+weights, for splits with zero-size experts, and ``save_original_input`` on == off.
+
+Block recipes with an expert whose token count is not a multiple of the block (128 / 32): the
+layer pads that expert's columnwise copies with zero rows. The reference for such an expert is
+two Linear passes: out and dx on the real tokens (no wgrad: nothing columnwise is cast), dw on
+the tokens and dy zero-padded to the block (the zero rows add exact zeros to the wgrad sum).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_fp8 as mf
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.ops.grouped_linear import columnwise_multiple
+from megatron_fp8.recipe import DelayedScaling
+
+from .conftest import RECIPES
+
+K, N = 256, 384
+MULTIPLE = {"delayed": 1, "current": 1, "block": 128, "mxfp8": 32}
+SPLITS = {  # in units of the recipe's block (x1 for per-tensor recipes: arbitrary counts)
+    "aligned": lambda b: [2 * b, 0, b, 3 * b],
+    "ragged": lambda b: [b + 37, 0, 0, 2 * b + 5, 19],
+}
+
+
+def _splits(name: str, recipe: str) -> list[int]:
+    b = MULTIPLE[recipe]
+    return SPLITS[name](b if b > 1 else 64)
+
+
+def _layers(n: int, bias: bool, flag: bool) -> tuple[GroupedLinear, list[mf.Linear]]:
+    torch.manual_seed(0)
+    grouped = GroupedLinear(n, K, N, bias=bias, params_dtype=torch.bfloat16, save_original_input=flag)
+    with torch.no_grad():
+        for b in grouped.biases or []:
+            b.normal_()
+    refs = []
+    for i in range(n):
+        ref = mf.Linear(K, N, bias=bias, params_dtype=torch.bfloat16)
+        ref.load_state_dict({"weight": grouped.weights[i], **({"bias": grouped.biases[i]} if bias else {})},
+                            strict=False)
+        refs.append(ref)
+    return grouped, refs
+
+
+def _data(splits: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    m = sum(splits)
+    x = (torch.randn(m, K, generator=g) * (step + 1)).to(torch.bfloat16)
+    dy = torch.randn(m, N, generator=g).to(torch.bfloat16)
+    return x, dy
+
+
+def _run_grouped(layer: GroupedLinear, splits: list[int], recipe, steps: int) -> list[list[torch.Tensor]]:
+    out = []
+    for step in range(steps):
+        layer.zero_grad(set_to_none=True)
+        x, dy = _data(splits, step)
+        x.requires_grad_()
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, splits)
+        y.backward(dy)
+        grads = [layer.weights[i].grad for i in range(layer.num_gemms)]
+        grads += [b.grad for b in layer.biases or []]
+        out.append([y, x.grad, *grads])
+    return out
+
+
+def _ref_expert(ref: mf.Linear, x: torch.Tensor, dy: torch.Tensor, recipe, multiple: int) -> tuple:
+    """out, dx, dw, db of one expert's Linear (two passes when its count needs padding)."""
+    ref.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    pad = (-x.shape[0]) % multiple
+    if pad:  # real tokens: only rowwise casts (the flag is bitwise-neutral, test_linear.py), no wgrad
+        ref.weight.requires_grad_(False)
+        ref.save_original_input = True
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        y = ref(xi)
+    y.backward(dy)
+    db = ref.bias.grad.clone() if ref.bias is not None else None
+    if pad:
+        ref.weight.requires_grad_(True)
+        ref.save_original_input = False
+        xp = F.pad(x, (0, 0, 0, pad)).requires_grad_()
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            yp = ref(xp)
+        yp.backward(F.pad(dy, (0, 0, 0, pad)))
+    return y, xi.grad, ref.weight.grad, db
+
+
+def _run_refs(refs: list[mf.Linear], splits: list[int], recipe, steps: int, multiple: int) -> list[list]:
+    out = []
+    for step in range(steps):
+        x, dy = _data(splits, step)
+        per = [_ref_expert(r, xi, di, recipe, multiple)
+               for r, xi, di in zip(refs, x.split(splits), dy.split(splits))]
+        ys, dxs, dws, dbs = zip(*per)
+        out.append([torch.cat(ys), torch.cat(dxs), *dws, *(d for d in dbs if d is not None)])
+    return out
+
+
+@pytest.mark.parametrize("case", ["aligned", "ragged"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_grouped_equals_separate_linears_and_flag_is_neutral(name: str, case: str) -> None:
+    recipe, splits = RECIPES[name], _splits(case, name)
+    bias = case == "ragged"
+    results = {}
+    for flag in (False, True):
+        grouped, refs = _layers(len(splits), bias, flag)
+        results[flag] = _run_grouped(grouped, splits, recipe, steps=2)
+    _, refs = _layers(len(splits), bias, False)
+    want = _run_refs(refs, splits, recipe, steps=2, multiple=MULTIPLE[name])
+    for step in range(2):
+        for j, (off, on, ref) in enumerate(zip(results[False][step], results[True][step], want[step])):
+            assert torch.equal(off, ref), f"{name} step {step}: tensor {j} differs from the separate Linears"
+            assert torch.equal(on, off), f"{name} step {step}: tensor {j} differs with save_original_input"
+    zero = [i for i, m in enumerate(splits) if m == 0]
+    assert zero and all(not results[False][1][2 + i].any() for i in zero)  # no tokens: zero wgrad
+
+
+def test_fp8_off_equals_separate_linears() -> None:
+    splits = [100, 0, 28]
+    grouped, refs = _layers(3, True, False)
+    x, dy = _data(splits, 0)
+    x.requires_grad_()
+    grouped(x, splits).backward(dy)
+    for i, (r, xi, di) in enumerate(zip(refs, x.split(splits), dy.split(splits))):
+        xr = xi.detach().clone().requires_grad_()
+        yr = r(xr)
+        yr.backward(di)
+        assert torch.equal(grouped.weights[i].grad, r.weight.grad)
+        assert torch.equal(grouped.biases[i].grad, r.bias.grad)
+        assert torch.equal(x.grad.split(splits)[i], xr.grad)
+
+
+def test_columnwise_multiple_per_recipe() -> None:
+    layer = GroupedLinear(2, K, N, bias=False)
+    for name, want in MULTIPLE.items():
+        with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+            qs, _ = layer.fp8_operands(None)
+        assert columnwise_multiple(qs[0].input.layout) == want
+
+
+# ---- saved bytes: exact counts from shapes ----------------------------------------------------
+def _col_scale_bytes(name: str, m_pad: int) -> int:
+    return {"delayed": 4, "current": 4, "block": K * (m_pad // 128) * 4, "mxfp8": K * (m_pad // 32)}[name]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_saved_bytes_exact(name: str) -> None:
+    recipe, splits = RECIPES[name], _splits("ragged", name)
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16, requires_grad=True)
+    got = {}
+    for flag in (False, True):
+        layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16,
+                                 save_original_input=flag)
+        with mf.memory.track_saved_tensors() as saved, mf.fp8_autocast(fp8_recipe=recipe):
+            layer(x, splits)
+        got[flag] = saved
+    mult = MULTIPLE[name]
+    padded = [m + (-m) % mult for m in splits]
+    per_tensor = name in ("delayed", "current")
+    # default: each expert's (padded) columnwise FP8 copy of its tokens and its scales
+    assert got[False].activation_bytes == sum(m * K + _col_scale_bytes(name, m) for m in padded)
+    # flagged: the original x once, plus each expert's 4-byte per-tensor scale
+    assert got[True].activation_bytes == x.untyped_storage().nbytes() + (4 * len(splits) if per_tensor else 0)
+    assert got[False].parameter_bytes == got[True].parameter_bytes > 0
+
+
+# ---- state, options -------------------------------------------------------------------------
+def test_per_expert_delayed_history_roundtrips_through_state_dict() -> None:
+    recipe = DelayedScaling(amax_history_len=8)
+    splits = [64, 0, 192]
+    layer, _ = _layers(3, True, False)
+    for step in range(3):
+        x, dy = _data(splits, step)
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            layer(x.requires_grad_(), splits).backward(dy)
+    fresh, _ = _layers(3, True, False)
+    fresh.load_state_dict(layer.state_dict())
+    x, _ = _data(splits, 5)
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        assert torch.equal(layer(x, splits), fresh(x, splits))
+    hist = [layer._quantizers[f"weight{i}"].input.amax_history for i in range(3)]
+    assert not torch.equal(hist[0], hist[2])  # each expert keeps its own history
+    for i in range(3):
+        assert torch.equal(fresh._quantizers[f"weight{i}"].input.amax_history, hist[i])
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_fused_main_grad_accumulates_per_expert(name: str) -> None:
+    """FP32 weights: the fused FP32 accumulation is bitwise the sum of the unfused wgrads."""
+    splits = [128, 256]
+
+    def make(fuse: bool) -> GroupedLinear:
+        torch.manual_seed(0)
+        return GroupedLinear(2, K, N, bias=False, params_dtype=torch.float32, fuse_wgrad_accumulation=fuse)
+
+    layer, plain = make(True), make(False)
+    for w in layer.weights:
+        w.main_grad = torch.zeros_like(w)
+    for step in range(2):  # two micro-batches
+        x, dy = _data(splits, step)
+        with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+            layer(x.float(), splits).backward(dy.float())
+            plain(x.float(), splits).backward(dy.float())
+    for w, p in zip(layer.weights, plain.weights):
+        assert w.main_grad.abs().sum() > 0 and torch.equal(w.main_grad, p.grad)
+    with pytest.raises(RuntimeError, match="main_grad on every expert weight"):
+        make(True)(torch.randn(4, K), [2, 2])
+
+
+def test_skip_bias_add_returns_every_bias_and_repr_shows_flag() -> None:
+    layer = GroupedLinear(2, K, N, skip_bias_add=True, save_original_input=True)
+    y, biases = layer(torch.randn(10, K), [3, 7])
+    assert y.shape == (10, N) and biases == [layer.bias0, layer.bias1]
+    assert "save_original_input=True" in repr(layer) and "num_gemms=2" in repr(layer)
+    assert [n for n, _ in layer.named_parameters()] == ["weight0", "bias0", "weight1", "bias1"]
+
+
+# ---- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("splits", "match"),
+    [
+        ([5, 5], r"m_splits has 2 entries, but the layer has 3 experts"),
+        ([5, 5, 5], r"m_splits \[5, 5, 5\] sum to 15, but the input has 12 tokens"),
+        ([14, -2, 0], r"m_splits\[1\]=-2; token counts must be non-negative"),
+        ([6, 6.0, 0], r"m_splits\[1\]=6.0"),
+    ],
+)
+def test_bad_m_splits_name_the_layer_and_the_fix(splits: list, match: str) -> None:
+    layer = GroupedLinear(3, K, N, name="experts.fc1")
+    with pytest.raises(ValueError, match=r"GroupedLinear\(experts.fc1\): " + match):
+        layer(torch.randn(12, K), splits)
+
+
+def test_tensor_m_splits_and_feature_mismatch() -> None:
+    layer = GroupedLinear(2, K, N)
+    assert layer(torch.randn(12, K), torch.tensor([4, 8])).shape == (12, N)
+    with pytest.raises(ValueError, match="input has 100 features"):
+        layer(torch.randn(12, 100), [4, 8])
+    with pytest.raises(ValueError, match="at least one expert"):
+        GroupedLinear(0, K, N)
