@@ -9,29 +9,48 @@ import torch
 from torch import nn
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[-2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s
+
+
 class _FlashLikeAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d)) v that saves q, k, v, its *output* and the log-sum-exp, as
-    flash attention does: the attention output is kept alive for attention's own backward."""
+    """softmax(q k^T / sqrt(d)) v over ``[..., s, d]`` that saves q, k, v, its *output* and the
+    log-sum-exp, as flash attention does: the output stays alive for attention's own backward."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:  # type: ignore[override]
+        qm, km, vm = (t.movedim(0, -2) for t in (q, k, v))  # [s, *batch, d] -> [*batch, s, d]
+        s = _scores(qm, km, causal)
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        out = (torch.exp(s - lse) @ v.float()).to(q.dtype)
+        out = (torch.exp(s - lse) @ vm.float()).to(q.dtype).movedim(-2, 0).contiguous()
+        ctx.causal = causal
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = (t.movedim(0, -2) if t.dim() > 1 and i < 4 else t
+                             for i, t in enumerate(ctx.saved_tensors))
+        dout = dout.movedim(0, -2)
         scale = 1 / math.sqrt(q.shape[-1])
-        p = torch.exp((q.float() @ k.float().transpose(-1, -2)) * scale - lse)
+        p = torch.exp(_scores(q, k, ctx.causal) - lse)
         dv = p.transpose(-1, -2) @ dout.float()
         dp = dout.float() @ v.float().transpose(-1, -2)
         delta = (dout.float() * out.float()).sum(-1, keepdim=True)
         ds = p * (dp - delta) * scale
         dq, dk = ds @ k.float(), ds.transpose(-1, -2) @ q.float()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (*(g.to(t.dtype).movedim(-2, 0) for g, t in ((dq, q), (dk, k), (dv, v))), None)
+
+
+def flash_like_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Attention over ``[s, *batch, d]`` (sequence first, Megatron's layout) returning a contiguous
+    ``[s, *batch, d]`` output that it keeps for backward, as flash attention does: a projection
+    reading ``out.view(s, b, heads * d)`` then aliases the attention's saved tensor."""
+    return _FlashLikeAttention.apply(q, k, v, causal)
 
 
 class AttentionCore(nn.Module):
@@ -39,4 +58,4 @@ class AttentionCore(nn.Module):
     saving its output like flash attention; the output is what a projection layer consumes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FlashLikeAttention.apply(x, x, x)
+        return flash_like_attention(x, x, x)

@@ -2,7 +2,10 @@
 ``ColumnParallelLinear`` / ``RowParallelLinear`` on the FP8 linear autograd function."""
 
 from .column import ColumnParallelLinear
+from .config import ParallelConfig
 from .groups import group_rank, group_size, resolve_tp_group
 from .row import RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "resolve_tp_group", "group_size", "group_rank"]
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "ParallelConfig", "resolve_tp_group", "group_size", "group_rank",
+]

@@ -7,13 +7,19 @@ run on plain ``torch.distributed``.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch.distributed as dist
 
 
 def parallel_state() -> Any | None:
-    """megatron-core's ``parallel_state`` module if installed *and* initialised, else None."""
+    """megatron-core's ``parallel_state`` module if imported *and* initialised, else None.
+
+    Only looked up when the program already imported it (nothing else can have initialised
+    it), so users without Megatron never pay megatron-core's import time or its warnings."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return None
     try:
         from megatron.core import parallel_state as ps
     except ImportError:

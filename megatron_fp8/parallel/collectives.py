@@ -22,6 +22,10 @@ from ..quant.formats import FP8_DTYPES, ScaleLayout
 from ..quant.tensor import Operand
 from .groups import group_size
 
+# torch >= 2.13 names them *_single (the *_tensor names warn); torch 2.11 has only *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = [
     "Pending",
     "all_gather_tokens",
@@ -59,7 +63,7 @@ def _gather_dim0(t: torch.Tensor, group: Group) -> tuple[Any, torch.Tensor]:
     send = _wire(t)
     out = torch.empty((group_size(group) * send.shape[0], *send.shape[1:]), dtype=send.dtype,
                       device=send.device)
-    return dist.all_gather_into_tensor(out, send, group=group, async_op=True), out
+    return _all_gather_single(out, send, group=group, async_op=True), out
 
 
 def all_gather_tokens(x_local: torch.Tensor, group: Group) -> Pending | Done:
@@ -97,7 +101,7 @@ def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "te
         )
     send = x_partial.contiguous()
     out = torch.empty((send.shape[0] // tp, *send.shape[1:]), dtype=send.dtype, device=send.device)
-    work = dist.reduce_scatter_tensor(out, send, group=group, async_op=True)
+    work = _reduce_scatter_single(out, send, group=group, async_op=True)
     return Pending([work], lambda: out)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_fp8.parallel import ParallelConfig
+
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(TESTS_DIR))  # the repo root: import megatron_fp8
 sys.path.insert(0, TESTS_DIR)  # conftest.RECIPES
@@ -28,16 +30,10 @@ def init_gloo() -> tuple[int, int]:
 
 
 @dataclass
-class Config:
-    """The fields of megatron-core's TransformerConfig the parallel layers read."""
+class Config(ParallelConfig):
+    """The package's ParallelConfig, allocating on CPU (the workers run on gloo)."""
 
-    tensor_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    params_dtype: torch.dtype = torch.float32
-    gradient_accumulation_fusion: bool = False
     use_cpu_initialization: bool = True
-    perform_initialization: bool = True
-    expert_model_parallel_size: int = 1
 
 
 @dataclass

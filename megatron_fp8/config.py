@@ -1,0 +1,152 @@
+"""YAML -> validated FP8 config: the recipe, and per-layer flags matched by module-name glob.
+
+Example (``configs/tp_block.yaml``)::
+
+    fp8:
+      enabled: true
+      recipe: blockwise                 # a preset name, or {kind: delayed, margin: 0, ...}
+    layers:
+      - match: "*.attention.proj"       # fnmatch glob over qualified module names
+        save_original_input: true
+
+Unknown keys, bad values, and rules that match no layer are errors naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch.distributed as dist
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from torch import nn
+
+from .autocast import FP8State, fp8_autocast
+from .recipe import (
+    PRESETS,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    Recipe,
+)
+
+__all__ = ["RecipeSpec", "LayerRule", "FP8Config", "load_config", "parse_config", "apply_layer_flags"]
+
+_KINDS: dict[str, type] = {
+    "delayed": DelayedScaling,
+    "current": Float8CurrentScaling,
+    "blockwise": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RecipeSpec(_Strict):
+    """A recipe written out: ``kind`` plus that recipe's fields (see megatron_fp8.recipe)."""
+
+    kind: Literal["delayed", "current", "blockwise", "mxfp8"]
+    fp8_format: Literal["E4M3", "HYBRID"] | None = None
+    margin: int | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: Literal["max", "most_recent"] | None = None
+    power_2_scale: bool | None = None
+    amax_epsilon: float | None = None
+
+    def build(self) -> Recipe:
+        cls = _KINDS[self.kind]
+        fields = self.model_dump(exclude={"kind"}, exclude_none=True)
+        allowed = set(cls.__dataclass_fields__)
+        wrong = sorted(set(fields) - allowed)
+        if wrong:
+            raise ValueError(f"fp8.recipe: {wrong} do not apply to kind '{self.kind}'; its fields: {sorted(allowed)}")
+        if "fp8_format" in fields:
+            fields["fp8_format"] = Format(fields["fp8_format"])
+        return cls(**fields)
+
+
+class LayerRule(_Strict):
+    """Flags for every layer whose qualified name matches ``match`` (an fnmatch glob)."""
+
+    match: str = Field(min_length=1)
+    save_original_input: bool
+
+
+class FP8Section(_Strict):
+    enabled: bool = True
+    recipe: str | RecipeSpec = "blockwise"
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_preset(cls, v: str | RecipeSpec) -> str | RecipeSpec:
+        if isinstance(v, str) and v not in PRESETS:
+            raise ValueError(f"unknown recipe preset {v!r}; choose one of {sorted(PRESETS)} or give {{kind: ...}}")
+        return v
+
+
+class FP8Config(_Strict):
+    """The whole file: the FP8 section and the per-layer rules (applied in order)."""
+
+    fp8: FP8Section = FP8Section()
+    layers: list[LayerRule] = []
+
+    def recipe(self) -> Recipe:
+        r = self.fp8.recipe
+        return PRESETS[r] if isinstance(r, str) else r.build()
+
+    def autocast(self, fp8_group: dist.ProcessGroup | None = None) -> AbstractContextManager[FP8State]:
+        """``fp8_autocast`` with this config's ``enabled`` and recipe."""
+        return fp8_autocast(enabled=self.fp8.enabled, fp8_recipe=self.recipe(), fp8_group=fp8_group)
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> FP8Config:
+    """Validate a parsed YAML mapping; errors name the source and the offending key."""
+    try:
+        cfg = FP8Config.model_validate(data or {})
+        cfg.recipe()  # recipe fields are checked by the recipe's own __post_init__
+        return cfg
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ValueError(f"{source}: invalid FP8 config\n" + "\n".join(lines)) from None
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> FP8Config:
+    """Read and validate a YAML config file."""
+    with open(path) as f:
+        return parse_config(yaml.safe_load(f), str(path))
+
+
+def apply_layer_flags(model: nn.Module, config: FP8Config) -> dict[str, bool]:
+    """Set ``save_original_input`` on the layers each rule matches; return ``{name: flag}``.
+
+    A rule that matches no module, or matches a module without the flag (not one of our
+    linears), is an error naming the rule and what it did match.
+    """
+    modules = dict(model.named_modules())
+    applied: dict[str, bool] = {}
+    for i, rule in enumerate(config.layers):
+        names = [n for n in modules if n and fnmatch.fnmatchcase(n, rule.match)]
+        if not names:
+            raise ValueError(
+                f"layers[{i}].match={rule.match!r} matches no module; module names look like "
+                f"{sorted(n for n in modules if n)[:5]}"
+            )
+        for name in names:
+            mod = modules[name]
+            if not hasattr(mod, "save_original_input"):
+                raise ValueError(
+                    f"layers[{i}].match={rule.match!r} matches {name} ({type(mod).__name__}), which has no "
+                    f"save_original_input flag; narrow the glob to megatron_fp8 linears"
+                )
+            mod.save_original_input = rule.save_original_input
+            applied[name] = rule.save_original_input
+    return applied
