@@ -207,58 +207,54 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.step = int(state["step"])
 
 
-class Block1DQuantizer(Quantizer):
-    """1x128 tiles along the contraction dim (activations and gradients)."""
-
-    layout = ScaleLayout.BLOCK_1x128
-
-    def __init__(self, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
-                 block: int = 128, name: str = "tensor") -> None:
-        super().__init__(fp8_dtype, name)
-        self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
+class _BlockQuantizer(Quantizer):
+    """Shared quantize() of the block recipes: their scales are a pure function of the data,
+    so ``scale``/``record_amax`` do not apply; subclasses pick the cast."""
 
     def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
                  scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
         _check_2d(x, self.name)
         qt = self._new(x)
-        row, col = kernels.cast_blocks_1d(
-            x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale, self.amax_epsilon,
-            self.name,
-        )
+        row, col = self._cast(x, rowwise, columnwise)
         if row is not None:
             qt.rowwise = Operand(*row, self.layout)
         if col is not None:
             qt.columnwise = Operand(*col, self.layout)
         return qt
 
+    @abc.abstractmethod
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies: ...
 
-class Block2DQuantizer(Quantizer):
+
+class _DeepSeekBlockQuantizer(_BlockQuantizer):
+    def __init__(self, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                 block: int = 128, name: str = "tensor") -> None:
+        super().__init__(fp8_dtype, name)
+        self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
+
+
+class Block1DQuantizer(_DeepSeekBlockQuantizer):
+    """1x128 tiles along the contraction dim (activations and gradients)."""
+
+    layout = ScaleLayout.BLOCK_1x128
+
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
+        return kernels.cast_blocks_1d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,
+                                      self.amax_epsilon, self.name)
+
+
+class Block2DQuantizer(_DeepSeekBlockQuantizer):
     """128x128 blocks (weights). The columnwise copy is the rowwise one transposed: a 2-D block
     has the same amax whichever dim is contracted, so nothing is recast."""
 
     layout = ScaleLayout.BLOCK_128x128
 
-    def __init__(self, fp8_dtype: torch.dtype, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
-                 block: int = 128, name: str = "tensor") -> None:
-        super().__init__(fp8_dtype, name)
-        self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
-
-    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-                 scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
-        _check_2d(x, self.name)
-        qt = self._new(x)
-        row, col = kernels.cast_blocks_2d(
-            x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale, self.amax_epsilon,
-            self.name,
-        )
-        if row is not None:
-            qt.rowwise = Operand(*row, self.layout)
-        if col is not None:
-            qt.columnwise = Operand(*col, self.layout)
-        return qt
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
+        return kernels.cast_blocks_2d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,
+                                      self.amax_epsilon, self.name)
 
 
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(_BlockQuantizer):
     """1x32 blocks with E8M0 scales; rowwise blocks run along K, columnwise along M."""
 
     layout = ScaleLayout.MX_1x32
@@ -267,16 +263,8 @@ class MXFP8Quantizer(Quantizer):
         super().__init__(fp8_dtype, name)
         self.block = block
 
-    def quantize(self, x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False,
-                 scale: torch.Tensor | None = None, record_amax: bool = True) -> QuantizedTensor:
-        _check_2d(x, self.name)
-        qt = self._new(x)
-        row, col = kernels.cast_mx(x, self.fp8_dtype, rowwise, columnwise, self.block, self.name)
-        if row is not None:
-            qt.rowwise = Operand(*row, self.layout)
-        if col is not None:
-            qt.columnwise = Operand(*col, self.layout)
-        return qt
+    def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
+        return kernels.cast_mx(x, self.fp8_dtype, rowwise, columnwise, self.block, self.name)
 
 
 def make_quantizer(
