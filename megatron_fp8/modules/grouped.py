@@ -26,7 +26,22 @@ def _default_init(w: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
-class GroupedLinear(FP8Module):
+class ExpertParams:
+    """``weight0..weight{n-1}`` / ``bias0..`` as lists (mixin of the grouped layers)."""
+
+    num_gemms: int
+    use_bias: bool
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+
+class GroupedLinear(ExpertParams, FP8Module):
     """``num_gemms`` experts' ``y_i = x_i @ weight{i}.T + bias{i}`` with FP8 GEMMs inside
     ``fp8_autocast``; ``forward(x, m_splits)`` with ``x`` the experts' tokens back to back.
 
@@ -72,14 +87,6 @@ class GroupedLinear(FP8Module):
         self.save_original_input = save_original_input
         self.skip_bias_add = skip_bias_add
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-
-    @property
-    def biases(self) -> list[torch.Tensor] | None:
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
     def fp8_operands(
         self, is_first_microbatch: bool | None

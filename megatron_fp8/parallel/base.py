@@ -77,7 +77,7 @@ class ParallelLinearBase(FP8Module):
         self.gradient_accumulation_fusion = bool(
             config_value(config, "gradient_accumulation_fusion", self._owner))
         if config_value(config, "defer_embedding_wgrad_compute", self._owner):
-            raise NotImplementedError(
+            raise ValueError(
                 f"{self._owner}: config.defer_embedding_wgrad_compute is not supported by the FP8 "
                 f"parallel linears; turn it off (or keep Megatron's layer for the output layer)")
         self.sequence_parallel = bool(config_value(config, "sequence_parallel", self._owner))
@@ -170,7 +170,8 @@ class ParallelLinearBase(FP8Module):
                                            self.tp_group, metadata, self._owner)
 
     def _tp_axis_map(self) -> dict[str, int]:
-        raise NotImplementedError
+        """Which dim of each parameter is split over TP (the bias only when the output is)."""
+        return {"weight": 0, "bias": 0} if self.partition_dim == 0 else {"weight": 1}
 
     def _check_features(self, x: torch.Tensor, expected: int, hint: str) -> None:
         if x.shape[-1] != expected:

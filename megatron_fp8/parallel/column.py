@@ -144,5 +144,3 @@ class ColumnParallelLinear(ParallelLinearBase):
                                f"expected {expected} (this rank's shard)")
         return weight
 
-    def _tp_axis_map(self) -> dict[str, int]:
-        return {"weight": 0, "bias": 0}

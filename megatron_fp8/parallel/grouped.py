@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..modules.grouped import ExpertParams
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
 from ..quant.tensor import QuantizedTensor
@@ -38,7 +39,7 @@ from .init import set_tp_attributes
 __all__ = ["ColumnParallelGroupedLinear", "RowParallelGroupedLinear"]
 
 
-class _ParallelGroupedLinear(ParallelLinearBase):
+class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
     """Shared: ``num_gemms`` local shards ``weight{i}`` / ``bias{i}``, the grouped FP8 call, and
     per-expert checkpoint keys. Subclasses set ``partition_dim``."""
 
@@ -81,15 +82,10 @@ class _ParallelGroupedLinear(ParallelLinearBase):
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states)
 
     def _local_shape(self) -> tuple[int, int]:
-        raise NotImplementedError
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-
-    @property
-    def biases(self) -> list[torch.Tensor] | None:
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+        """``weight{i}``'s local shard: ``[N/tp, K]`` (column) or ``[N, K/tp]`` (row)."""
+        if self.partition_dim == 0:
+            return divide(self.output_size, self.tp_size, self._owner, "output_size"), self.input_size
+        return self.output_size, divide(self.input_size, self.tp_size, self._owner, "input_size")
 
     def _fp8_operands_grouped(
         self, is_first_microbatch: bool | None
@@ -187,11 +183,6 @@ class ColumnParallelGroupedLinear(_ParallelGroupedLinear):
 
     partition_dim = 0
 
-    def _local_shape(self) -> tuple[int, int]:
-        return divide(self.output_size, self.tp_size, self._owner, "output_size"), self.input_size
-
-    def _tp_axis_map(self) -> dict[str, int]:
-        return {"weight": 0, "bias": 0}
 
 
 class RowParallelGroupedLinear(_ParallelGroupedLinear):
@@ -206,8 +197,3 @@ class RowParallelGroupedLinear(_ParallelGroupedLinear):
             raise ValueError(f"{self._owner}: a row-parallel expert layer with a bias needs skip_bias_add=True "
                              f"(each rank holds partial sums; the dispatcher adds the bias after reducing)")
 
-    def _local_shape(self) -> tuple[int, int]:
-        return self.output_size, divide(self.input_size, self.tp_size, self._owner, "input_size")
-
-    def _tp_axis_map(self) -> dict[str, int]:
-        return {"weight": 1}

@@ -107,5 +107,3 @@ class RowParallelLinear(ParallelLinearBase):
             return y, self.bias if self.skip_bias_add else None
         return y + self.bias, None
 
-    def _tp_axis_map(self) -> dict[str, int]:
-        return {"weight": 1}
