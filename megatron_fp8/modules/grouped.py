@@ -40,6 +40,22 @@ class ExpertParams:
     def biases(self) -> list[torch.Tensor] | None:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
+    def fp8_operands(
+        self, is_first_microbatch: bool | None
+    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
+        """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
+        qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]  # type: ignore[attr-defined]
+        if qs[0] is None:
+            return None, None
+        for q in qs:
+            self._prepare_quantizers(q)
+        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch)  # type: ignore[attr-defined]
+                 for i, q in enumerate(qs)]
+        return qs, w_fp8
+
+    def _prepare_quantizers(self, q: LinearQuantizers) -> None:
+        """Hook for parallel subclasses (amax groups, the emulation warning); nothing on one device."""
+
 
 class GroupedLinear(ExpertParams, FP8Module):
     """``num_gemms`` experts' ``y_i = x_i @ weight{i}.T + bias{i}`` with FP8 GEMMs inside
@@ -87,21 +103,6 @@ class GroupedLinear(ExpertParams, FP8Module):
         self.save_original_input = save_original_input
         self.skip_bias_add = skip_bias_add
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-
-    def fp8_operands(
-        self, is_first_microbatch: bool | None
-    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
-        """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
-        qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]
-        if qs[0] is None:
-            return None, None
-        for q in qs:
-            self._prepare_quantizers(q)  # type: ignore[arg-type]
-        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch) for i, q in enumerate(qs)]  # type: ignore[arg-type]
-        return qs, w_fp8  # type: ignore[return-value]
-
-    def _prepare_quantizers(self, q: LinearQuantizers) -> None:
-        """Hook for parallel subclasses (amax groups); nothing on one device."""
 
     def forward(
         self,

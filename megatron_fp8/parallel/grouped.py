@@ -29,7 +29,6 @@ import torch.distributed as dist
 from ..modules.grouped import ExpertParams
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
-from ..quant.tensor import QuantizedTensor
 from . import _mcore
 from .base import ParallelLinearBase
 from .checks import divide, warn_if_emulated
@@ -87,25 +86,17 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
             return divide(self.output_size, self.tp_size, self._owner, "output_size"), self.input_size
         return self.output_size, divide(self.input_size, self.tp_size, self._owner, "input_size")
 
-    def _fp8_operands_grouped(
-        self, is_first_microbatch: bool | None
-    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
-        qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]
-        if qs[0] is None:
-            return None, None
-        for q in qs:
-            self._set_amax_groups(q)  # type: ignore[arg-type]
+    def _prepare_quantizers(self, q: LinearQuantizers) -> None:
+        self._set_amax_groups(q)
         assert self._fp8_recipe is not None
-        warn_if_emulated(qs[0], self._fp8_recipe, self.weight0.device, self._owner)  # type: ignore[arg-type]
-        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch) for i, q in enumerate(qs)]  # type: ignore[arg-type]
-        return qs, w_fp8  # type: ignore[return-value]
+        warn_if_emulated(q, self._fp8_recipe, self.weight0.device, self._owner)
 
     def forward(
         self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor, is_first_microbatch: bool | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """``x`` (this rank's features, tokens of expert 0, 1, ... back to back), ``m_splits`` ->
         ``(y, [bias0, ...] with skip_bias_add else None)``."""
-        qs, w_fp8 = self._fp8_operands_grouped(is_first_microbatch)
+        qs, w_fp8 = self.fp8_operands(is_first_microbatch)
         add_bias = self.use_bias and not self.skip_bias_add
         y = grouped_linear(
             x, self.weights, self.biases if add_bias else None, m_splits, w_fp8=w_fp8, quantizers=qs,
