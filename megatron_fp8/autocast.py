@@ -3,6 +3,11 @@
 ``fp8_autocast`` mirrors Transformer Engine's context of the same name. Regions nest; the
 innermost one wins. Each entry into an outermost enabled region starts a new FP8 *step*, the
 unit in which delayed scaling rolls its amax history.
+
+The region stack is per thread (a forward's region belongs to the thread running it); the step
+counter is process-wide, because autograd runs the backward of CUDA tensors on its own worker
+threads, and the gradients' delayed-scaling quantizers must see the steps the forward counted.
+``resume_region`` re-enters a saved region without counting a step (for recompute).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch.distributed as dist
 
 from .recipe import Float8CurrentScaling, Recipe
 
-__all__ = ["fp8_autocast", "FP8State", "current_fp8_state", "is_fp8_enabled", "fp8_step"]
+__all__ = ["fp8_autocast", "resume_region", "FP8State", "current_fp8_state", "is_fp8_enabled", "fp8_step"]
 
 
 @dataclass(frozen=True)
@@ -31,10 +36,12 @@ class FP8State:
 class _Regions(threading.local):
     def __init__(self) -> None:
         self.stack: list[FP8State] = []
-        self.step = 0
+        self.replaying = 0  # > 0 inside resume_region: nested regions count no step
 
 
 _regions = _Regions()
+_step = 0
+_step_lock = threading.Lock()
 
 
 def current_fp8_state() -> FP8State | None:
@@ -48,8 +55,8 @@ def is_fp8_enabled() -> bool:
 
 
 def fp8_step() -> int:
-    """Counter of outermost enabled-region entries (the delayed-scaling step)."""
-    return _regions.step
+    """Counter of outermost enabled-region entries (the delayed-scaling step), process-wide."""
+    return _step
 
 
 @contextlib.contextmanager
@@ -70,11 +77,26 @@ def fp8_autocast(
             f"fp8_autocast(fp8_recipe=...) takes a recipe from megatron_fp8.recipe, got "
             f"{type(fp8_recipe).__name__}"
         )
+    global _step
     state = FP8State(bool(enabled), fp8_recipe, fp8_group)
-    if state.enabled and not any(s.enabled for s in _regions.stack):
-        _regions.step += 1
+    if state.enabled and not _regions.replaying and not any(s.enabled for s in _regions.stack):
+        with _step_lock:
+            _step += 1
     _regions.stack.append(state)
     try:
         yield state
     finally:
+        _regions.stack.pop()
+
+
+@contextlib.contextmanager
+def resume_region(state: FP8State | None) -> Iterator[None]:
+    """Re-enter a region saved earlier (``current_fp8_state()`` at the time; ``None`` = FP8 off)
+    without starting a step, also for ``fp8_autocast`` regions opened inside it."""
+    _regions.stack.append(state if state is not None else FP8State(False, Float8CurrentScaling(), None))
+    _regions.replaying += 1
+    try:
+        yield
+    finally:
+        _regions.replaying -= 1
         _regions.stack.pop()

@@ -123,8 +123,8 @@ class ActivationFC2(nn.Module):
     """``fc2(dropout(activation(h)), *fc2_args)``: the MoE expert activation -> fc2.
 
     ``h``: the fc1 output over the (permuted) tokens routed to the experts. ``fc2``: any module
-    (``megatron_fp8.Linear`` today, the FP8 GroupedLinear with ``m_splits`` in ``fc2_args``
-    later) that, with ``recompute``, has ``save_original_input=True``.
+    with a ``save_original_input`` flag, on with ``recompute`` (``megatron_fp8.Linear``, or the
+    FP8 ``GroupedLinear`` with ``m_splits`` in ``fc2_args``).
     """
 
     def __init__(self, fc2: nn.Module, *, activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,

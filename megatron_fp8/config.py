@@ -132,8 +132,8 @@ def apply_layer_flags(model: nn.Module, config: FP8Config) -> dict[str, bool]:
     linears), is an error naming the rule and what it did match.
     """
     modules = dict(model.named_modules())
-    applied: dict[str, bool] = {}
-    for i, rule in enumerate(config.layers):
+    plan: dict[str, bool] = {}
+    for i, rule in enumerate(config.layers):  # validate every rule before touching the model
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, rule.match)]
         if not names:
             raise ValueError(
@@ -141,12 +141,12 @@ def apply_layer_flags(model: nn.Module, config: FP8Config) -> dict[str, bool]:
                 f"{sorted(n for n in modules if n)[:5]}"
             )
         for name in names:
-            mod = modules[name]
-            if not hasattr(mod, "save_original_input"):
+            if not hasattr(modules[name], "save_original_input"):
                 raise ValueError(
-                    f"layers[{i}].match={rule.match!r} matches {name} ({type(mod).__name__}), which has no "
-                    f"save_original_input flag; narrow the glob to megatron_fp8 linears"
+                    f"layers[{i}].match={rule.match!r} matches {name} ({type(modules[name]).__name__}), which "
+                    f"has no save_original_input flag; narrow the glob to megatron_fp8 linears"
                 )
-            mod.save_original_input = rule.save_original_input
-            applied[name] = rule.save_original_input
-    return applied
+            plan[name] = rule.save_original_input  # later rules win
+    for name, flag in plan.items():
+        modules[name].save_original_input = flag
+    return plan

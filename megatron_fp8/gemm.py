@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -60,7 +59,10 @@ class GemmCall:
     mnk: tuple[int, int, int]
 
 
-class _State(threading.local):
+class _State:
+    """Process-wide, not per thread: autograd runs CUDA backward passes on worker threads, and
+    ``force_backend`` / ``record_gemms`` must reach the dgrad and wgrad GEMMs there too."""
+
     def __init__(self) -> None:
         self.forced: Backend | None = None
         self.records: list[list[GemmCall]] = []
@@ -112,11 +114,19 @@ def _env_backend() -> Backend | None:
         ) from None
 
 
-def select_backend(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> Backend:
-    """The backend ``gemm`` uses for these layouts on this device.
+def _aligned(a: ScaleLayout, mnk: tuple[int, int, int] | None) -> bool:
+    """cuBLAS FP8 GEMMs want every dim a multiple of 16 (block layouts are multiples of 128
+    by construction): an expert with 5 tokens, say, is emulated instead."""
+    return mnk is None or a not in (L.TENSOR, L.ROW) or all(d % 16 == 0 for d in mnk)
 
-    Auto: native on CUDA where supported; emulate elsewhere (on CPU the emulation is the
-    reference, though CPU ``_scaled_mm`` exists for tensorwise/rowwise and can be forced).
+
+def select_backend(a: ScaleLayout, b: ScaleLayout, device: torch.device,
+                   mnk: tuple[int, int, int] | None = None) -> Backend:
+    """The backend ``gemm`` uses for these layouts (and, if given, this ``(m, n, k)``) here.
+
+    Auto: native on CUDA where supported and the dims are aligned; emulate elsewhere (on CPU the
+    emulation is the reference, though CPU ``_scaled_mm`` exists for tensorwise/rowwise and can
+    be forced).
     """
     forced = _state.forced or _env_backend()
     if forced is Backend.NATIVE and not native_supported(a, b, device):
@@ -124,9 +134,12 @@ def select_backend(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> Back
             f"native FP8 GEMM forced, but {device} has none for scale layouts "
             f"({a.value}, {b.value}); use backend 'emulate' or 'auto'"
         )
+    if forced is Backend.NATIVE and device.type == "cuda" and not _aligned(a, mnk):
+        raise RuntimeError(f"native FP8 GEMM forced, but (m, n, k)={mnk} are not all multiples of 16; "
+                           f"use backend 'emulate' or 'auto' (which emulates such shapes)")
     if forced is not None:
         return forced
-    if device.type == "cuda" and native_supported(a, b, device):
+    if device.type == "cuda" and native_supported(a, b, device) and _aligned(a, mnk):
         return Backend.NATIVE
     return Backend.EMULATE
 
@@ -224,7 +237,7 @@ def gemm(
     (m, k), (n, kb) = a.shape, b.shape
     if k != kb:
         raise ValueError(f"{name}: contraction dims differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
-    backend = select_backend(a.layout, b.layout, a.data.device)
+    backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
     for calls in _state.records:
         calls.append(GemmCall(name, backend, (a.layout, b.layout), (m, n, k)))
     if m == 0 or n == 0 or k == 0:

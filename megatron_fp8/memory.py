@@ -36,7 +36,9 @@ class SavedTensor:
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or bool(getattr(t, "_mf_param_derived", False))
+    """A parameter, a view of one (``F.linear`` saves ``weight.t()``), or an FP8 copy of one."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter) or bool(getattr(t, "_mf_param_derived", False))
 
 
 @dataclass

@@ -87,6 +87,7 @@ def test_gpu_casts_bitwise_equal_cpu_reference(name: str, role: TensorRole, back
     x[3, 7] = 0.0
     x[128:256, :128] = 0.0  # zero blocks
     x[5, 9], x[300, 1000] = 448.0 * 2**-20, -3.0e4  # amax values near powers of two / the E4M3 max
+    x[7, 300], x[400, 5] = float("nan"), float("inf")  # block amaxes ignore NaN (reference.py)
     outs = []
     for dev in ("cpu", "cuda"):
         q = make_quantizer(RECIPES[name], role)

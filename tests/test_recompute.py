@@ -234,6 +234,14 @@ def test_consumer_without_flag_fails_with_fp8_off_too() -> None:
         ckpt.discard_output_and_register_recompute(y)
 
 
+def test_consumer_reading_the_output_by_keyword_is_checked_too() -> None:
+    ckpt = CheckpointWithoutOutput("pre_mlp_layernorm")
+    x = torch.randn(4, H, requires_grad=True)
+    y = Linear(H, H)(x=ckpt.checkpoint(nn.LayerNorm(H), x))
+    with pytest.raises(MissingSaveOriginalInputError, match="pre_mlp_layernorm"):
+        ckpt.discard_output_and_register_recompute(y)
+
+
 def test_block_rejects_consumer_without_flag_at_construction() -> None:
     with pytest.raises(MissingSaveOriginalInputError, match="ActivationFC2.*Linear.*save_original_input=True"):
         ActivationFC2(_lin(FFN, H, flag=False), recompute=True)
@@ -313,7 +321,7 @@ def test_recompute_runs_once_with_several_hook_tensors() -> None:
     assert calls == [False, True]  # the forward (no graph) and exactly one recompute
     del out
     gc.collect()
-    assert _ModuleWatch.users == 0 and _ModuleWatch.handle is None  # the global pre-hook is gone
+    assert _ModuleWatch.users == 0 and _ModuleWatch.handles == []  # the global hooks are gone
 
 
 def test_branch_without_grad_frees_saved_inputs() -> None:

@@ -8,6 +8,7 @@ stays the same (delayed scaling's history lives in them). ``get_extra_state`` /
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,11 @@ from ..ops.linear import LinearQuantizers, mark_param_derived
 from ..quant.quantizers import make_quantizer
 from ..quant.tensor import QuantizedTensor
 from ..recipe import Recipe, TensorRole
+
+
+def default_init(w: torch.Tensor) -> None:
+    """``nn.Linear``'s weight initialisation (used when no ``init_method`` is given)."""
+    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
 class FP8Module(nn.Module):
@@ -68,13 +74,14 @@ class FP8Module(nn.Module):
 
     # ---- checkpointing of FP8 state (delayed-scaling histories) ----
     def get_extra_state(self) -> torch.Tensor:
-        state = {
-            "recipe": self._fp8_recipe.describe() if self._fp8_recipe is not None else None,
-            "quantizers": {
-                key: {role: getattr(q, role).state_dict() for role in ("input", "weight", "grad_output")}
-                for key, q in self._quantizers.items()
-            },
-        }
+        pending = self._pending_state or {}
+        quantizers = dict(pending.get("quantizers", {}))  # loaded, not yet claimed by a forward
+        quantizers.update({
+            key: {role: getattr(q, role).state_dict() for role in ("input", "weight", "grad_output")}
+            for key, q in self._quantizers.items()
+        })
+        recipe = self._fp8_recipe.describe() if self._fp8_recipe is not None else pending.get("recipe")
+        state = {"recipe": recipe, "quantizers": quantizers}
         buf = io.BytesIO()
         torch.save(state, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)

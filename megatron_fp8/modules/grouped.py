@@ -8,7 +8,6 @@ a list of separate ``Linear`` layers (see ``ops.grouped_linear``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,13 +16,10 @@ from torch import nn
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
 from ..quant.tensor import QuantizedTensor
-from .base import FP8Module
+from .base import FP8Module, default_init
 
 __all__ = ["GroupedLinear"]
 
-
-def _default_init(w: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
 class ExpertParams:
@@ -95,7 +91,7 @@ class GroupedLinear(ExpertParams, FP8Module):
         for i in range(num_gemms):
             w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
             with torch.no_grad():
-                (init_method or _default_init)(w)
+                (init_method or default_init)(w)
             self.register_parameter(f"weight{i}", w)
             b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"bias{i}", b)

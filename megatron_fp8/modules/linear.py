@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..ops.linear import linear
-from .base import FP8Module
-
-
-def _default_init(w: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+from .base import FP8Module, default_init
 
 
 class Linear(FP8Module):
@@ -47,7 +42,7 @@ class Linear(FP8Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         with torch.no_grad():
-            (init_method or _default_init)(self.weight)
+            (init_method or default_init)(self.weight)
         self.save_original_input = save_original_input
         self.skip_bias_add = skip_bias_add
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation

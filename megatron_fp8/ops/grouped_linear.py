@@ -148,7 +148,11 @@ class _GroupedLinear(torch.autograd.Function):
         n = len(args.m_splits)
         weights, biases = params[:n], params[n:]
         ctx.args, ctx.n, ctx.weights = args, n, weights  # Parameters: main_grad and dtype only
+        if len({b is None for b in biases}) > 1:
+            raise ValueError(f"{args.name}: give a bias for every expert or for none "
+                             f"(got {sum(b is not None for b in biases)} of {n})")
         ctx.has_bias = biases[0] is not None
+        ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
         if args.quantizers is None:
             ys = _forward_hp(ctx, x, weights)
         else:
@@ -168,7 +172,7 @@ class _GroupedLinear(torch.autograd.Function):
         dx, dws = run(ctx, dy, wgrad_dtype, need_dx, need_dw)
         dbs: list[torch.Tensor | None] = [None] * n
         if ctx.has_bias:
-            dbs = [d.sum(0).to(w.dtype) for d, w in zip(dy.split(list(args.m_splits)), ctx.weights)]
+            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(args.m_splits))]
         if args.fuse_wgrad:
             dws = [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(ctx.weights, dws)]
         return dx, None, *dws, *dbs

@@ -135,6 +135,7 @@ class _Linear(torch.autograd.Function):
         x2d = _flat(x)
         ctx.fp8 = quantizers is not None
         ctx.x_shape, ctx.has_bias, ctx.fuse_wgrad = x.shape, bias is not None, fuse_wgrad
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_original_input = save_original_input
         ctx.weight = weight  # a Parameter: for main_grad and dtype, never an activation
         ctx.comm = comm or _NO_COMM
@@ -158,7 +159,7 @@ class _Linear(torch.autograd.Function):
         wgrad_dtype = torch.float32 if ctx.fuse_wgrad else weight.dtype
         backward_gemms = _backward_fp8 if ctx.fp8 else _backward_hp
         dx, dw = backward_gemms(ctx, dy, grad_out.dtype, wgrad_dtype, need_dx, need_dw)
-        db = dy.sum(0).to(weight.dtype) if (ctx.has_bias and need_db) else None
+        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if (ctx.has_bias and need_db) else None
         if dw is not None and ctx.fuse_wgrad:
             dw = _accumulate_wgrad(weight, dw)
         if dx is not None:

@@ -7,7 +7,6 @@ Megatron's parameter attributes, FP8 operands with TP-wide amax groups, and chec
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..autocast import current_fp8_state
-from ..modules.base import FP8Module
+from ..modules.base import FP8Module, default_init
 from ..ops.linear import LinearQuantizers, mark_param_derived
 from ..quant.tensor import QuantizedTensor
 from . import _mcore
@@ -34,9 +33,6 @@ def init_device(config: Any) -> torch.device:
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
-
-def _default_init(w: torch.Tensor) -> None:
-    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
 class ParallelLinearBase(FP8Module):
@@ -101,7 +97,7 @@ class ParallelLinearBase(FP8Module):
         device = init_device(cfg)
         on_cpu = device.type == "cpu"
         weight = nn.Parameter(torch.empty(local_shape, dtype=dtype, device=device))
-        init = init_method or getattr(cfg, "init_method", None) or _default_init
+        init = init_method or getattr(cfg, "init_method", None) or default_init
         if config_value(cfg, "perform_initialization", owner):
             if on_cpu:
                 master = init_shard_from_master(weight.data, (self.output_size, self.input_size),
@@ -130,7 +126,8 @@ class ParallelLinearBase(FP8Module):
         """Quantizers (amax groups set to the TP group) and the FP8 weight, or (None, None)."""
         key = "weight"
         if weight is not self.weight:  # a weight passed to forward (skip_weight_param_allocation)
-            self._external_weight, key = weight, "_external_weight"
+            # not an attribute: nn.Module would register the caller's tensor as our parameter
+            self.__dict__["_external_weight"], key = weight, "_external_weight"
         q = self.fp8_quantizers(key)
         if q is None:
             return None, None

@@ -1,11 +1,11 @@
 """Raw tensor-parallel collectives on plain tensors and FP8 operands, sync or async.
 
-Every function returns a ``Pending``: the collective is already launched (``async_op=True``),
-``wait()`` finishes it and returns the result, so callers can run a GEMM in between (the overlap
-of issue 4). On a group of one rank nothing is launched. FP8 payloads travel as ``uint8`` views
-(bit-exact; neither gloo nor every NCCL build has FP8 dtypes). Only "no process group at
-all" short-circuits: a group of one rank still runs the (trivial) collective, which is how the
-async path is tested on one GPU. Names: ``tp`` = group size,
+Every function returns an ``InFlight`` (an ``ops.linear.Pending``): the collective is already
+launched (``async_op=True``), ``wait()`` finishes it and returns the result, so callers can run
+a GEMM in between (the overlap of issue 4). FP8 payloads travel as ``uint8`` views (bit-exact;
+neither gloo nor every NCCL build has FP8 dtypes). Only "no process group at all" short-circuits
+(``Done``): a group of one rank still runs the (trivial) collective, which is how the async
+path is tested on one GPU; the last-dim helpers skip work at tp == 1. Names: ``tp`` = group size,
 ``M`` = tokens (dim 0, the sequence-parallel dim), ``K`` = features.
 """
 
@@ -27,7 +27,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
-    "Pending",
+    "InFlight",
     "all_gather_tokens",
     "reduce_scatter_tokens",
     "all_reduce",
@@ -39,7 +39,7 @@ __all__ = [
 Group = dist.ProcessGroup | None
 
 
-class Pending:
+class InFlight:
     """In-flight collectives plus the function that assembles their result."""
 
     def __init__(self, works: list[Any], finish: Callable[[], Any]) -> None:
@@ -66,7 +66,7 @@ def _gather_dim0(t: torch.Tensor, group: Group) -> tuple[Any, torch.Tensor]:
     return _all_gather_single(out, send, group=group, async_op=True), out
 
 
-def all_gather_tokens(x_local: torch.Tensor, group: Group) -> Pending | Done:
+def all_gather_tokens(x_local: torch.Tensor, group: Group) -> InFlight | Done:
     """All-gather along dim 0 (sequence parallel: the local token shard -> all tokens).
 
     ===========  =====================  ======================
@@ -78,10 +78,10 @@ def all_gather_tokens(x_local: torch.Tensor, group: Group) -> Pending | Done:
     if group is None:
         return Done(x_local)
     work, out = _gather_dim0(x_local, group)
-    return Pending([work], lambda: out.view(x_local.dtype) if out.dtype != x_local.dtype else out)
+    return InFlight([work], lambda: out.view(x_local.dtype) if out.dtype != x_local.dtype else out)
 
 
-def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "tensor") -> Pending | Done:
+def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "tensor") -> InFlight | Done:
     """Sum over the group, each rank keeping its slice of dim 0.
 
     ===========  =====================  ======================
@@ -102,10 +102,10 @@ def reduce_scatter_tokens(x_partial: torch.Tensor, group: Group, what: str = "te
     send = x_partial.contiguous()
     out = torch.empty((send.shape[0] // tp, *send.shape[1:]), dtype=send.dtype, device=send.device)
     work = _reduce_scatter_single(out, send, group=group, async_op=True)
-    return Pending([work], lambda: out)
+    return InFlight([work], lambda: out)
 
 
-def all_reduce(x_partial: torch.Tensor, group: Group, *, inplace: bool = False) -> Pending | Done:
+def all_reduce(x_partial: torch.Tensor, group: Group, *, inplace: bool = False) -> InFlight | Done:
     """Sum over the group; into ``x_partial`` itself with ``inplace`` (it must be contiguous),
     else into a new tensor.
 
@@ -120,10 +120,10 @@ def all_reduce(x_partial: torch.Tensor, group: Group, *, inplace: bool = False) 
     out = x_partial if inplace and x_partial.is_contiguous() else x_partial.clone(
         memory_format=torch.contiguous_format)
     work = dist.all_reduce(out, group=group, async_op=True)
-    return Pending([work], lambda: out)
+    return InFlight([work], lambda: out)
 
 
-def all_gather_fp8(op: Operand, group: Group, *, columnwise: bool) -> Pending | Done:
+def all_gather_fp8(op: Operand, group: Group, *, columnwise: bool) -> InFlight | Done:
     """All-gather one FP8 copy of a token-sharded tensor along the token dim, with its scales.
 
     Per-tensor scales (``TENSOR``) are equal on every rank (amax reduced over the group) and are
@@ -166,7 +166,7 @@ def all_gather_fp8(op: Operand, group: Group, *, columnwise: bool) -> Pending | 
         scale_inv = op.scale_inv if op.layout is ScaleLayout.TENSOR else outs[1]
         return Operand(outs[0], scale_inv, op.layout)
 
-    return Pending([w for w, _ in launched], finish)
+    return InFlight([w for w, _ in launched], finish)
 
 
 def all_gather_last_dim(x_local: torch.Tensor, group: Group) -> torch.Tensor:

@@ -160,6 +160,10 @@ def _merge_expert_extra_states(state_dict: dict[str, Any], prefix: str, *args: A
         blob = state_dict.pop(k, None)
         if isinstance(blob, torch.Tensor) and blob.numel():
             part = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+            # The slot decides the local expert: a checkpoint saved with another expert-parallel
+            # layout carries the blob of a different local index, so re-key by slot.
+            slot = k[len(f"{prefix}_extra_state"):] or "0"
+            part["quantizers"] = {f"weight{slot}": v for v in part["quantizers"].values()}
             if merged is None:
                 merged = part
             else:

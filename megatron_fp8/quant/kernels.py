@@ -6,7 +6,8 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
   Used for tensorwise casts and for power-of-two 1x128 / 128x128 block casts without an amax
   epsilon (the defaults).
-* ``compile``: ``torch.compile`` of the reference functions below (other block options, MXFP8).
+* ``compile``: ``torch.compile`` of the reference functions below (block options the kernels
+  do not cover; MXFP8 only when forced, since SM90 emulates its GEMMs anyway).
 * ``eager``: the reference itself.
 
 Every backend computes the reference's arithmetic; the GPU tests compare them bitwise.

@@ -7,6 +7,9 @@ Every function is pure, runs under ``torch.no_grad()`` and works on any device. 
 * Casts compute ``x.float() * scale``, clamp to +-FP8_MAX (saturate) and round to nearest-even.
 * An amax of zero or a non-finite amax gives scale 1.0, so the scale is always finite. With
   scale 1.0, finite values saturate, +-inf saturates to +-FP8_MAX and NaN stays NaN.
+* NaN elements: a per-tensor amax propagates NaN (so the tensor casts with scale 1.0); a block
+  amax ignores NaN (the block keeps the scale of its finite values; the NaN stays NaN), which is
+  what the GPU kernels' max-reduction does, so CPU and GPU agree bit for bit.
 * Power-of-two scales are rounded *down* (exact exponent arithmetic on the FP32 bits), so that
   ``amax * scale <= FP8_MAX`` and scaling is exact.
 """
@@ -72,6 +75,12 @@ def check_block_shape(shape: tuple[int, ...], block: int, what: str) -> None:
         )
 
 
+def block_amax(xb: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """FP32 max |x| over ``dim``, ignoring NaN (an all-NaN block gives 0, hence scale 1.0)."""
+    a = xb.abs()
+    return torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a).amax(dim=dim).float()
+
+
 def _blocked_rows(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     """View ``[rows, k]`` as ``[rows, k // block, block]``, or raise naming the requirement."""
     check_block_shape(tuple(x.shape), block, what)
@@ -102,7 +111,7 @@ def cast_blocks_1d(
     Returns ``(data [rows, k], scale_inv [rows, k // block])`` (FP32 scale_inv).
     """
     xb = _blocked_rows(x, block, what)
-    amax = xb.abs().amax(dim=-1).float()
+    amax = block_amax(xb, -1)
     scale = amax_to_scale(amax, fp8_dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     data = cast_to_fp8(xb, scale.unsqueeze(-1), fp8_dtype).reshape(x.shape)
     return data, torch.reciprocal(scale)
@@ -133,7 +142,7 @@ def cast_blocks_2d(
     check_block_shape_2d(tuple(x.shape), block, what)
     r, k = x.shape
     xb = x.reshape(r // block, block, k // block, block)
-    amax = xb.abs().amax(dim=(1, 3)).float()
+    amax = block_amax(xb, (1, 3))
     scale = amax_to_scale(amax, fp8_dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     data = cast_to_fp8(xb, scale[:, None, :, None], fp8_dtype).reshape(r, k)
     return data, torch.reciprocal(scale)
@@ -175,7 +184,7 @@ def cast_mx(
     Returns ``(data [rows, k], exponents uint8 [rows, k // block])``.
     """
     xb = _blocked_rows(x, block, what)
-    e = mx_exponent(xb.abs().amax(dim=-1), fp8_dtype)
+    e = mx_exponent(block_amax(xb, -1), fp8_dtype)
     inv = e8m0_to_float(-e.int() + 2 * E8M0_BIAS)  # 2**(127 - e): exact reciprocal of the scale
     data = cast_to_fp8(xb, inv.unsqueeze(-1), fp8_dtype).reshape(x.shape)
     return data, e

@@ -139,30 +139,44 @@ def _guard_views(out: Any, guarded: list[_DiscardableTensor]) -> Any:
 
 
 class _ModuleWatch:
-    """A forward pre-hook on every module, installed only while some checkpoint needs it."""
+    """Global module hooks, installed only while some checkpoint needs them: a forward pre-hook
+    (positional inputs, checked before the module reads them) and a forward hook with kwargs
+    (PyTorch has no global pre-hook with kwargs; keyword inputs are recorded after the call)."""
 
     users = 0
-    handle: Any = None
+    handles: list[Any] = []
     recording: list[list[nn.Module]] = []
 
     @classmethod
     def acquire(cls) -> None:
         if cls.users == 0:
-            cls.handle = nn.modules.module.register_module_forward_pre_hook(_on_module_call)
+            cls.handles = [
+                nn.modules.module.register_module_forward_pre_hook(_on_module_call),
+                nn.modules.module.register_module_forward_hook(_on_module_kwargs, with_kwargs=True),
+            ]
         cls.users += 1
 
     @classmethod
     def release(cls) -> None:
         cls.users -= 1
-        if cls.users == 0 and cls.handle is not None:
-            cls.handle.remove()
-            cls.handle = None
+        if cls.users == 0:
+            for h in cls.handles:
+                h.remove()
+            cls.handles = []
+
+
+def _on_module_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    _check_consumer(module, _flat_items((), kwargs))
 
 
 def _on_module_call(module: nn.Module, args: tuple[Any, ...]) -> None:
     if _ModuleWatch.recording:
         _ModuleWatch.recording[-1].append(module)
-    for a in _flat_items(args):
+    _check_consumer(module, _flat_items(args))
+
+
+def _check_consumer(module: nn.Module, items: Iterator[Any]) -> None:
+    for a in items:
         if not isinstance(a, _DiscardableTensor):
             continue
         status = a._mf_status

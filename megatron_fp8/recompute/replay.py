@@ -12,11 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import autocast as _autocast
-from ..autocast import FP8State, current_fp8_state, fp8_step
+from ..autocast import FP8State, current_fp8_state, fp8_step, resume_region
 from ..modules.base import FP8Module
 from ..quant.quantizers import DelayedScalingQuantizer
-from ..recipe import Float8CurrentScaling
 
 
 def _megatron_rng_tracker() -> Any:
@@ -91,7 +89,7 @@ class _Environment:
     def replay(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replayed_rng(self.rng, self.cuda_devices))
-            stack.enter_context(_fp8_region(self.fp8))
+            stack.enter_context(resume_region(self.fp8))
             stack.enter_context(_frozen_delayed_scales(self.delayed_scales))
             for dev, (enabled, dtype) in self.amp.items():
                 stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled,
@@ -108,24 +106,6 @@ def _replayed_rng(state: _RngState, devices: set[int]) -> Iterator[None]:
         yield
     finally:
         now.restore()
-
-
-@contextlib.contextmanager
-def _fp8_region(state: FP8State | None) -> Iterator[None]:
-    """Re-enter the forward's FP8 region *without* starting a new FP8 step.
-
-    ``fp8_autocast`` would count a new step (delayed scaling would roll its history), so the
-    saved state is pushed on the region stack directly. Outside any region at forward time means
-    FP8 off now, even when the backward runs inside a region.
-    """
-    if state is None:
-        state = FP8State(False, Float8CurrentScaling(), None)
-    stack = _autocast._regions.stack
-    stack.append(state)
-    try:
-        yield
-    finally:
-        stack.pop()
 
 
 @contextlib.contextmanager
