@@ -1,0 +1,112 @@
+"""Edge cases found in review: threads, checkpoint round trips, shapes, accounting, dtypes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import megatron_fp8 as mf
+from megatron_fp8 import gemm as core
+from megatron_fp8.parallel import ColumnParallelLinear, ParallelConfig
+from megatron_fp8.parallel.grouped import ColumnParallelGroupedLinear
+from megatron_fp8.quant.formats import ScaleLayout
+from megatron_fp8.recipe import DelayedScaling
+
+
+def test_delayed_grad_scale_advances_when_backward_runs_on_another_thread() -> None:
+    """Autograd runs CUDA backward passes on worker threads: the FP8 step must be process-wide."""
+    layer = mf.Linear(64, 64, params_dtype=torch.float32)
+    recipe = DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(torch.randn(32, 64, requires_grad=True))
+        t = threading.Thread(target=lambda: (y * 1e-3).sum().backward())
+        t.start()
+        t.join()
+    q = layer._quantizers["weight"].grad_output
+    assert q.step == mf.autocast.fp8_step() and q.scale.item() != 1.0  # rolled and rescaled
+
+
+def test_gemm_records_reach_backward_on_another_thread() -> None:
+    layer = mf.Linear(128, 128)
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8BlockScaling()):
+        y = layer(torch.randn(128, 128, requires_grad=True))
+    with core.record_gemms() as calls:
+        t = threading.Thread(target=lambda: y.sum().backward())
+        t.start()
+        t.join()
+    assert [c.name for c in calls] == ["dgrad", "wgrad"]
+
+
+def test_loaded_fp8_state_survives_a_save_before_any_forward() -> None:
+    recipe = DelayedScaling(amax_history_len=4)
+    a = mf.Linear(64, 64)
+    for _ in range(2):
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            a(torch.randn(16, 64)).sum().backward()
+    b, c = mf.Linear(64, 64), mf.Linear(64, 64)
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(b.state_dict())  # b never ran a forward
+    x = torch.randn(16, 64)
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        ya, yc = a(x), c(x)
+    assert torch.equal(ya, yc)
+    assert torch.equal(a._quantizers["weight"].input.amax_history, c._quantizers["weight"].input.amax_history)
+
+
+def test_external_weight_is_not_registered_as_a_parameter() -> None:
+    cfg = ParallelConfig(use_cpu_initialization=True)
+    layer = ColumnParallelLinear(64, 64, config=cfg, bias=False, skip_weight_param_allocation=True)
+    w = nn.Parameter(torch.randn(64, 64))
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8CurrentScaling()):
+        layer(torch.randn(8, 64), weight=w)
+    assert [n for n, _ in layer.named_parameters()] == []
+    assert set(layer.state_dict()) <= {"_extra_state"}
+
+
+def test_expert_fp8_state_follows_its_slot_when_resharded() -> None:
+    """Global experts 2 and 3 of a 4-expert layer loaded as local experts 0 and 1."""
+    cfg, recipe = ParallelConfig(use_cpu_initialization=True), DelayedScaling(amax_history_len=4)
+    kw = dict(config=cfg, bias=False, skip_bias_add=False, is_expert=True)
+    a = ColumnParallelGroupedLinear(4, 32, 32, **kw)
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        a(torch.randn(16, 32), [4, 4, 4, 4])[0].sum().backward()
+    b = ColumnParallelGroupedLinear(2, 32, 32, **kw)
+    sd = {"weight0": a.weight2.detach(), "weight1": a.weight3.detach(),
+          "_extra_state": a.expert_extra_state(2), "_extra_state1": a.expert_extra_state(3)}
+    b.load_state_dict(sd)
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        b(torch.randn(8, 32), [4, 4])
+    for local, glob in ((0, 2), (1, 3)):
+        hist_a = a._quantizers[f"weight{glob}"].input.amax_history
+        hist_b = b._quantizers[f"weight{local}"].input.amax_history
+        assert torch.equal(hist_b[1:], hist_a[:-1])  # b's history continues a's, one step on
+
+
+def test_unaligned_per_tensor_gemm_is_emulated_on_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(core, "native_supported", lambda a, b, d: True)
+    cuda, t = torch.device("cuda"), ScaleLayout.TENSOR
+    assert core.select_backend(t, t, cuda, (128, 256, 512)) is core.Backend.NATIVE
+    assert core.select_backend(t, t, cuda, (5, 256, 512)) is core.Backend.EMULATE  # e.g. an expert with 5 tokens
+    with core.force_backend("native"), pytest.raises(RuntimeError, match=r"\(5, 256, 512\).*multiples of 16"):
+        core.select_backend(t, t, cuda, (5, 256, 512))
+
+
+def test_parameters_saved_through_views_count_as_parameters() -> None:
+    lin = nn.Linear(64, 32, bias=False)  # F.linear saves weight.t()
+    x = torch.randn(8, 64, requires_grad=True)
+    with mf.memory.track_saved_tensors() as saved:
+        lin(x)
+    assert saved.parameter_bytes == 64 * 32 * 4 and saved.activation_bytes == 8 * 64 * 4
+
+
+def test_bias_grad_is_summed_in_fp32_and_has_the_bias_dtype() -> None:
+    layer = mf.Linear(64, 64, params_dtype=torch.float32)
+    x = torch.randn(4096, 64, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(4096, 64, dtype=torch.bfloat16)
+    layer(x).backward(dy)
+    assert layer.bias.grad.dtype == torch.float32
+    assert torch.equal(layer.bias.grad, dy.float().sum(0))
