@@ -23,7 +23,7 @@ def test_delayed_grad_scale_advances_when_backward_runs_on_another_thread() -> N
     for _ in range(3):
         with mf.fp8_autocast(fp8_recipe=recipe):
             y = layer(torch.randn(32, 64, requires_grad=True))
-        t = threading.Thread(target=lambda: (y * 1e-3).sum().backward())
+        t = threading.Thread(target=lambda y=y: (y * 1e-3).sum().backward())
         t.start()
         t.join()
     q = layer._quantizers["weight"].grad_output
