@@ -179,6 +179,7 @@ def main() -> int:
             ck.guard(f"grouped_{kind}", case.name, case.check, ck)
     ck.guard("grouped_extras", "extras", check_extras, ck, rank, tp)
     code = ck.report()
+    dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
     return code
 

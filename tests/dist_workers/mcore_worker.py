@@ -173,6 +173,7 @@ def main() -> int:
     ck.guard("ckpt", "checkpoints", checkpoint_round_trips, ck, rank, tp, ckpt_dir)
     code = ck.report()
     parallel_state.destroy_model_parallel()
+    dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
     return code
 

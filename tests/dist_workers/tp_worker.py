@@ -268,6 +268,7 @@ def main() -> int:
     ck.guard("errors", "errors", check_errors, ck, rank, tp)
     ck.guard("extras", "extras", check_extras, ck, rank, tp)
     code = ck.report()
+    dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
     return code
 
