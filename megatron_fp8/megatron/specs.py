@@ -1,0 +1,201 @@
+"""megatron-core ``ModuleSpec``s for a GPT transformer layer whose linears are megatron_fp8's.
+
+The spec is megatron-core's own *local* spec (``get_gpt_layer_local_spec``: separate
+``input_layernorm`` / ``pre_mlp_layernorm`` modules, ``DotProductAttention``, no Transformer
+Engine) with every megatron-core ``tensor_parallel.ColumnParallelLinear`` /
+``RowParallelLinear`` in it replaced by ``megatron_fp8.parallel``'s (same constructor and
+``forward`` contract), so the layer's structure, parameter names and checkpoint keys are
+Megatron's. What is replaced:
+
+==============================================  ============================================
+spec slot                                       megatron_fp8 module
+==============================================  ============================================
+``self_attention.linear_qkv`` (MLA: ``linear_q*``,  ``ColumnParallelLinear``
+``linear_kv*``), ``mlp.linear_fc1``,
+``mlp.shared_experts.linear_fc1``,
+``mlp.experts.local_experts.{i}.linear_fc1``
+``self_attention.linear_proj``, ``mlp.linear_fc2``  ``RowParallelLinear``
+(and the shared / sequential experts' fc2)
+``mlp.experts`` with ``moe_grouped_gemm=True``      megatron-core's ``TEGroupedMLP`` container
+                                                (it needs no Transformer Engine without
+                                                ``config.fp8``) holding our
+                                                ``ColumnParallelGroupedLinear`` (fc1) /
+                                                ``RowParallelGroupedLinear`` (fc2) instead of
+                                                the legacy ``GroupedMLP``
+==============================================  ============================================
+
+Norms, core attention, the router and the token dispatchers stay Megatron's.
+
+Usage::
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron_fp8.config import load_config, apply_layer_flags
+    from megatron_fp8.megatron import fp8_context, get_gpt_layer_spec
+
+    model = GPTModel(config, transformer_layer_spec=get_gpt_layer_spec(), vocab_size=..., ...)
+    apply_layer_flags(model, load_config("fp8.yaml"))   # per-layer save_original_input
+    with fp8_context(fp8_settings):                       # or FP8Config.autocast()
+        loss = model(tokens, position_ids, attention_mask, labels=labels).mean()
+    loss.backward()
+
+A whole block spec converts the same way:
+``to_fp8_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False))``.
+
+Module names (for ``apply_layer_flags`` globs) are Megatron's: in a ``GPTModel``
+``decoder.layers.0.self_attention.linear_qkv``, ``decoder.layers.0.self_attention.linear_proj``,
+``decoder.layers.0.mlp.linear_fc1``, ``decoder.layers.0.mlp.linear_fc2``; MoE:
+``decoder.layers.0.mlp.experts.linear_fc1`` (grouped) or
+``decoder.layers.0.mlp.experts.local_experts.3.linear_fc2`` (sequential), and
+``decoder.layers.0.mlp.shared_experts.linear_fc1``. A bare ``TransformerLayer`` drops the
+``decoder.layers.0.`` prefix. E.g. ``match: "*.self_attention.linear_proj"``. The embedding
+and the output layer (``output_layer``) stay Megatron's and are not FP8.
+
+Do not set ``TransformerConfig.fp8`` on the config that builds the model: Megatron would then
+open Transformer Engine's autocast (or require TE); open ``fp8_context`` / ``fp8_autocast``
+around the forward instead (``megatron_fp8.megatron.fp8``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+from types import ModuleType
+from typing import Any
+
+__all__ = ["get_gpt_layer_spec", "to_fp8_spec", "import_megatron"]
+
+
+def import_megatron(module: str, what: str) -> ModuleType:
+    """``importlib.import_module(module)``, or an ImportError telling how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs megatron-core ({module} failed to import: {e}); "
+            f"install it with `pip install megatron-core`"
+        ) from e
+
+
+def _replacements() -> dict[type, type]:
+    """megatron-core class -> our class, for the classes that appear in local specs."""
+    from ..parallel import ColumnParallelLinear, RowParallelLinear
+
+    tp = import_megatron("megatron.core.tensor_parallel", "megatron_fp8.megatron.to_fp8_spec")
+    return {tp.ColumnParallelLinear: ColumnParallelLinear, tp.RowParallelLinear: RowParallelLinear}
+
+
+def _grouped_experts_spec(module_spec_cls: type) -> Any:
+    """megatron-core's ``TEGroupedMLP`` container with our grouped linears (no TE needed)."""
+    from ..parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+
+    experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8 grouped experts")
+    mlp = import_megatron("megatron.core.transformer.mlp", "megatron_fp8 grouped experts")
+    container = getattr(experts, "TEGroupedMLP", None)
+    if container is None:
+        raise ValueError(
+            "moe_grouped_gemm=True: this megatron-core has no TEGroupedMLP to hold megatron_fp8's grouped "
+            "linears; build the spec with moe_grouped_gemm=False (SequentialMLP experts use our linears)"
+        )
+    return module_spec_cls(
+        module=container,
+        submodules=mlp.MLPSubmodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear),
+    )
+
+
+class _Converter:
+    """Walks a spec tree (ModuleSpec, submodule dataclasses, partials, lists) and rebuilds it
+    with megatron-core's local linears replaced; the input spec is not modified."""
+
+    def __init__(self) -> None:
+        spec_utils = import_megatron("megatron.core.transformer.spec_utils", "megatron_fp8.megatron.to_fp8_spec")
+        experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8.megatron.to_fp8_spec")
+        self.module_spec = spec_utils.ModuleSpec
+        self.legacy_grouped = getattr(experts, "GroupedMLP", None)
+        self.classes = _replacements()
+        self.replaced = 0
+        self.te_classes: list[str] = []
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, type):
+            return self._class(obj)
+        if isinstance(obj, self.module_spec):
+            if self.legacy_grouped is not None and obj.module is self.legacy_grouped:
+                self.replaced += 1
+                return _grouped_experts_spec(self.module_spec)
+            new = copy.copy(obj)
+            new.module = self(obj.module)
+            new.submodules = self(obj.submodules)
+            new.params = dict(obj.params)
+            return new
+        if isinstance(obj, functools.partial):
+            return functools.partial(self(obj.func), *map(self, obj.args),
+                                     **{k: self(v) for k, v in obj.keywords.items()})
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self(v) for v in obj)
+        if dataclasses.is_dataclass(obj):
+            new = copy.copy(obj)
+            for f in dataclasses.fields(obj):
+                setattr(new, f.name, self(getattr(obj, f.name)))
+            return new
+        return obj
+
+    def _class(self, cls: type) -> type:
+        if cls in self.classes:
+            self.replaced += 1
+            return self.classes[cls]
+        if cls.__module__.startswith("megatron.core.extensions") and "Linear" in cls.__name__:
+            self.te_classes.append(cls.__name__)
+        return cls
+
+
+def to_fp8_spec(spec: Any) -> Any:
+    """A copy of a megatron-core *local* spec (layer, block or MoE spec) with its
+    Column/RowParallelLinears replaced by megatron_fp8's and a legacy ``GroupedMLP`` by
+    ``TEGroupedMLP`` holding our grouped linears. Raises if the spec holds Transformer Engine
+    linears (build it from the local spec) or no linear to replace."""
+    conv = _Converter()
+    out = conv(spec)
+    if conv.te_classes:
+        raise ValueError(
+            f"to_fp8_spec: the spec holds Transformer Engine linears {sorted(set(conv.te_classes))}, which "
+            f"megatron_fp8 does not replace (TE fuses the layernorm into linear_qkv / linear_fc1); build it "
+            f"from megatron-core's local spec (get_gpt_layer_local_spec, or use_transformer_engine=False)"
+        )
+    if conv.replaced == 0:
+        raise ValueError(
+            "to_fp8_spec: the spec holds no megatron-core ColumnParallelLinear / RowParallelLinear to replace; "
+            "pass a spec built by megatron-core's local spec functions"
+        )
+    return out
+
+
+def get_gpt_layer_spec(
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    normalization: str | None = None,
+    qk_l2_norm: bool = False,
+) -> Any:
+    """megatron-core's ``get_gpt_layer_local_spec(...)`` with megatron_fp8's linears (see the
+    module docstring for what is replaced). Arguments as megatron-core's; ``normalization``
+    ``"RMSNorm"`` or None (LayerNorm)."""
+    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.get_gpt_layer_spec")
+    local = getattr(specs, "get_gpt_layer_local_spec", None)
+    if local is None:
+        raise ImportError("megatron_fp8.megatron.get_gpt_layer_spec: this megatron-core has no "
+                          "get_gpt_layer_local_spec; install a supported one (`pip install megatron-core`, 0.16+)")
+    kwargs: dict[str, Any] = dict(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                  qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention,
+                                  normalization=normalization, qk_l2_norm=qk_l2_norm)
+    accepted = inspect.signature(local).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        unknown = [k for k, v in kwargs.items() if k not in accepted and v not in (None, False)]
+        if unknown:
+            raise ValueError(f"get_gpt_layer_spec: this megatron-core's get_gpt_layer_local_spec does not take "
+                             f"{unknown}; leave them at their defaults")
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    return to_fp8_spec(local(**kwargs))

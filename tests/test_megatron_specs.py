@@ -1,0 +1,159 @@
+"""megatron_fp8.megatron (skips without megatron-core): GPT layer specs with our linears and
+the FP8 region from Megatron's fp8 settings.
+
+One torchrun launch (TP=2, gloo, CPU; ``dist_workers/spec_worker.py``) builds a 2-layer
+``GPTModel`` from megatron-core's local spec and from ours with the same weights:
+
+* FP8 off: loss and every gradient **bitwise** equal;
+* under ``fp8_context`` for delayed / tensorwise / blockwise / mxfp8: loss within 2e-3 relative
+  of the FP8-off (fp32) loss, decoder-linear weight gradients >= 14 dB SQNR;
+* ``save_original_input`` on ``*.self_attention.linear_proj`` via ``apply_layer_flags``:
+  loss and gradients **bitwise** equal to the flag off, for every recipe;
+* an MoE layer (sequential experts, and grouped experts in ``TEGroupedMLP``) **bitwise** equal
+  to Megatron's with FP8 off, and within 2e-2 (max-abs relative) under each recipe.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.dist_workers.launch import WorkerRun, run_workers
+
+pytest.importorskip("megatron.core")
+
+from megatron_fp8.megatron import fp8_context, get_gpt_layer_spec, recipe_from_megatron, to_fp8_spec  # noqa: E402
+from megatron_fp8.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron_fp8.recipe import (  # noqa: E402
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+)
+
+_run: dict[str, WorkerRun] = {}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if "r" not in _run:
+        _run["r"] = run_workers("spec_worker.py", 2, timeout=300)
+    return _run["r"].fail_if_broken()
+
+
+# ---- torchrun: whole models ----
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_gpt_model_matches_megatron_local_spec_bitwise(report: dict) -> None:
+    # per rank: 1 name/shape check + 2 layers x 4 linears; loss + grad-name check + 29 grads
+    assert report["counts"]["names"] == 9 * report["world"]
+    assert report["counts"]["hp"] == 31 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_gpt_model_fp8_recipes_close_to_high_precision(report: dict) -> None:
+    # per rank and recipe: the loss + 8 decoder-linear weight gradients
+    assert report["counts"]["fp8"] == 4 * 9 * report["world"]
+    for name in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+        assert report["max_rel"][f"fp8 loss {name}"] <= 2e-3
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_save_original_input_on_linear_proj_is_bitwise_neutral(report: dict) -> None:
+    # per rank and recipe: the rule's match check, the loss and 29 gradients
+    assert report["counts"]["soi"] == 4 * 31 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_moe_layer_sequential_and_grouped_experts(report: dict) -> None:
+    # per rank: container check; 2 kinds x (out, dx, names, 17 grads); 4 FP8 recipes
+    assert report["counts"]["moe"] == (1 + 2 * 20 + 4) * report["world"]
+    assert report["max_rel"]["moe"] <= 2e-2
+    assert report["failures"] == 0
+
+
+# ---- in process: specs and the recipe mapping ----
+def test_layer_spec_replaces_linears_and_keeps_local_structure() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    ours, theirs = get_gpt_layer_spec(qk_layernorm=True), get_gpt_layer_local_spec(qk_layernorm=True)
+    attn, mlp = ours.submodules.self_attention.submodules, ours.submodules.mlp.submodules
+    assert (attn.linear_qkv, attn.linear_proj) == (ColumnParallelLinear, RowParallelLinear)
+    assert (mlp.linear_fc1, mlp.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+    assert ours.submodules.input_layernorm is theirs.submodules.input_layernorm  # separate norms kept
+    assert attn.q_layernorm is theirs.submodules.self_attention.submodules.q_layernorm
+    # the input spec is left untouched
+    assert theirs.submodules.self_attention.submodules.linear_qkv is not ColumnParallelLinear
+
+
+def test_to_fp8_spec_rejects_specs_without_local_linears() -> None:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    with pytest.raises(ValueError, match="no megatron-core ColumnParallelLinear"):
+        to_fp8_spec(ModuleSpec(module=object))
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        (dict(fp8="hybrid", fp8_recipe="delayed", fp8_margin=1, fp8_amax_history_len=8, fp8_amax_compute_algo="max"),
+         DelayedScaling(margin=1, fp8_format=Format.HYBRID, amax_history_len=8, amax_compute_algo="max")),
+        (dict(fp8="e4m3", fp8_recipe="tensorwise"), Float8CurrentScaling(fp8_format=Format.E4M3)),
+        (dict(fp8="e4m3", fp8_recipe="blockwise"), Float8BlockScaling(fp8_format=Format.E4M3)),
+        (dict(fp8="e4m3", fp8_recipe="mxfp8"), MXFP8BlockScaling(fp8_format=Format.E4M3)),
+        (dict(fp8=None, fp8_recipe="mxfp8"), None),
+    ],
+    ids=["delayed", "tensorwise", "blockwise", "mxfp8", "off"],
+)
+def test_recipe_from_megatron_fields(fields: dict[str, Any], want: object) -> None:
+    assert recipe_from_megatron(SimpleNamespace(**fields)) == want
+
+
+def test_recipe_from_megatron_transformer_config() -> None:
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, fp8="hybrid",
+                            fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
+    assert recipe_from_megatron(cfg) == DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4,
+                                                       amax_compute_algo="max")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(fp8="e5m2"), "config.fp8='e5m2'"),
+        (dict(fp8="e4m3", fp8_recipe="custom"), "config.fp8_recipe='custom'"),
+        (dict(fp8="e4m3", fp8_param=True), "config.fp8_param=True"),
+        (dict(fp8="e4m3", fp8_wgrad=False), "config.fp8_wgrad=False"),
+        (dict(fp8="e4m3", first_last_layers_bf16=True), "config.first_last_layers_bf16=True"),
+    ],
+)
+def test_recipe_from_megatron_errors_name_the_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        recipe_from_megatron(SimpleNamespace(**fields))
+
+
+def test_fp8_context_enables_our_autocast() -> None:
+    from megatron_fp8.autocast import current_fp8_state
+
+    with fp8_context(SimpleNamespace(fp8="e4m3", fp8_recipe="mxfp8")) as state:
+        assert current_fp8_state() is state
+        assert state.recipe == MXFP8BlockScaling()
+    with pytest.raises(ValueError, match="config.fp8 is unset"):
+        fp8_context(SimpleNamespace(fp8=None), enabled=True)
+
+
+def test_missing_megatron_core_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "megatron.core.models.gpt.gpt_layer_specs", None)  # import fails
+    with pytest.raises(ImportError, match="pip install megatron-core"):
+        get_gpt_layer_spec()
