@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|gemm|linear]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|gemm|linear|grouped|casts]...
+# Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -11,12 +12,14 @@ else
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
     tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     gemm) python3 scripts/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" ;;
     linear) python3 scripts/bench_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
+    grouped) python3 scripts/bench_grouped.py --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
+    casts) python3 scripts/profile_casts.py 2>&1 | tee "$OUT/profile_casts.log" ;;
     *) echo "unknown step $what" ;;
   esac
 done
