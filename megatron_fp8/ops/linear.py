@@ -59,8 +59,7 @@ def _accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | 
         return None
     weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.shape, dtype=dw.dtype if dw.dtype == weight.dtype else weight.dtype,
-                device=weight.device)
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class Pending(Protocol):
