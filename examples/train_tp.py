@@ -5,9 +5,12 @@ attention that keeps its output, like flash attention -> proj) and an MLP of sha
 gated by a router that reads the same pre-MLP norm output (Megatron's shared-expert layout).
 The config turns ``save_original_input`` on exactly where the input is kept alive anyway.
 
-The run trains the same initial model twice, with the config's flags and with every flag off,
-and prints per-step losses (identical to the bit), saved-activation bytes per rank, and the
-difference, which equals the columnwise FP8 copies the flagged layers no longer keep.
+The run trains the same initial model twice: with the config's flags (and, by default, the
+pre-MLP norm output discarded after its consumers ran and recomputed in backward — which frees
+memory only because the flagged fc1 saved that very tensor), and with every flag off and no
+recompute. It prints per-step losses (identical to the bit) and the saved-activation bytes each
+rank still holds at the end of forward: the difference is the columnwise FP8 copies the flagged
+layers no longer keep plus the discarded norm output.
 
     torchrun --nproc_per_node 2 examples/train_tp.py --config configs/tp_block.yaml
 """
@@ -25,6 +28,7 @@ from torch import nn
 from megatron_fp8 import memory
 from megatron_fp8.config import FP8Config, apply_layer_flags, load_config
 from megatron_fp8.parallel import ColumnParallelLinear, ParallelConfig, RowParallelLinear
+from megatron_fp8.recompute import CheckpointWithoutOutput
 from megatron_fp8.testing import flash_like_attention
 
 
@@ -52,13 +56,16 @@ class SharedExperts(nn.Module):
         self.fc1 = ColumnParallelLinear(hidden, 2 * ffn, config=cfg, bias=False, name="fc1")
         self.fc2 = RowParallelLinear(ffn, hidden, config=cfg, bias=False, input_is_parallel=True, name="fc2")
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(h)[0].chunk(2, dim=-1)
+    def after_fc1(self, h1: torch.Tensor) -> torch.Tensor:
+        gate, up = h1.chunk(2, dim=-1)
         return self.fc2(F.silu(gate) * up)[0]
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ParallelConfig, hidden: int, heads: int, ffn: int) -> None:
+    """Pre-norm attention + shared-expert MLP. ``recompute_norm``: free the pre-MLP norm output
+    once the router and fc1 consumed it, recompute it in backward (needs fc1's flag)."""
+
+    def __init__(self, cfg: ParallelConfig, hidden: int, heads: int, ffn: int, recompute_norm: bool) -> None:
         super().__init__()
         dtype = cfg.params_dtype
         self.input_norm = nn.LayerNorm(hidden, dtype=dtype)
@@ -66,18 +73,23 @@ class Layer(nn.Module):
         self.pre_mlp_norm = nn.LayerNorm(hidden, dtype=dtype)
         self.router = nn.Linear(hidden, 4, bias=False, dtype=dtype)  # reads (and saves) the norm output
         self.shared_experts = SharedExperts(cfg, hidden, ffn)
+        self.recompute_norm = recompute_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.input_norm(x))
-        h = self.pre_mlp_norm(x)
-        gate = torch.sigmoid(self.router(h).mean(-1, keepdim=True))
-        return x + self.shared_experts(h) * gate
+        ckpt = CheckpointWithoutOutput("pre_mlp_norm") if self.recompute_norm else None
+        h = ckpt.checkpoint(self.pre_mlp_norm, x) if ckpt else self.pre_mlp_norm(x)
+        logits, h1 = self.router(h), self.shared_experts.fc1(h)[0]
+        if ckpt:  # both consumers saved h itself (the router always, fc1 by its flag): free it
+            ckpt.discard_output_and_register_recompute([logits, h1])
+        gate = torch.sigmoid(logits.mean(-1, keepdim=True))
+        return x + self.shared_experts.after_fc1(h1) * gate
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: ParallelConfig, hidden: int, heads: int, ffn: int) -> None:
+    def __init__(self, cfg: ParallelConfig, hidden: int, heads: int, ffn: int, recompute_norm: bool) -> None:
         super().__init__()
-        self.layer = Layer(cfg, hidden, heads, ffn)
+        self.layer = Layer(cfg, hidden, heads, ffn, recompute_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x)
@@ -88,12 +100,13 @@ def _replicated_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def train(args: argparse.Namespace, fp8: FP8Config, flags_on: bool) -> tuple[list[float], int, dict[str, bool]]:
-    """Train ``args.steps`` steps; return losses, saved activation bytes of step 0, applied flags."""
+    """Train ``args.steps`` steps; return losses, the saved activation bytes still held at the end
+    of step 0's forward, and the applied flags. Recompute only with the flags (it needs them)."""
     world = dist.get_world_size()
     cfg = ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=args.sequence_parallel,
                          params_dtype=torch.bfloat16, use_cpu_initialization=True)
     torch.manual_seed(0)
-    model = Model(cfg, args.hidden, args.heads, args.ffn)
+    model = Model(cfg, args.hidden, args.heads, args.ffn, recompute_norm=flags_on and args.recompute_norm)
     applied = apply_layer_flags(model, fp8) if flags_on else {}
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1)
@@ -106,7 +119,7 @@ def train(args: argparse.Namespace, fp8: FP8Config, flags_on: bool) -> tuple[lis
         with memory.track_saved_tensors(model) as saved, fp8.autocast():
             y = model(x)
         if step == 0:
-            saved_bytes = saved.activation_bytes
+            saved_bytes = saved.live_bytes()  # storages freed by recompute count 0
         loss = F.mse_loss(y.float(), target.float())
         loss.backward()
         if args.sequence_parallel:  # norms/router saw only local tokens: sum their grads over TP
@@ -133,6 +146,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--recompute-norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="with the flags: discard and recompute the pre-MLP norm output")
     args = ap.parse_args()
     if "RANK" not in os.environ:  # plain `python examples/train_tp.py`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -148,13 +163,15 @@ def main() -> None:
     dist.all_gather_object(per_rank, (on_bytes, off_bytes))
     if rank == 0:
         print(f"recipe {fp8.recipe().describe()}, TP={dist.get_world_size()}, sequence parallel "
-              f"{args.sequence_parallel}\nsave_original_input on: {sorted(n for n, f in applied.items() if f)}\n")
+              f"{args.sequence_parallel}\nsave_original_input on: {sorted(n for n, f in applied.items() if f)}; "
+              f"pre-MLP norm recomputed: {args.recompute_norm}\n")
         print(f"{'step':>4s} {'loss, flags from config':>24s} {'loss, all flags off':>20s}  bitwise equal")
         for i, (a, b) in enumerate(zip(on_losses, off_losses)):
             print(f"{i:4d} {a:24.6f} {b:20.6f}  {a == b}")
-        print(f"\n{'rank':>4s} {'saved bytes, flags on':>22s} {'all off':>12s} {'saved by the flags':>19s}")
+        print("\nsaved activation bytes held at the end of forward (step 0):")
+        print(f"{'rank':>4s} {'flags on':>12s} {'all off':>12s} {'difference':>12s}")
         for r, (a, b) in enumerate(per_rank):
-            print(f"{r:4d} {a:22d} {b:12d} {b - a:19d}")
+            print(f"{r:4d} {a:12d} {b:12d} {b - a:12d}")
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
     if on_losses != off_losses:

@@ -30,5 +30,8 @@ def test_torchrun_training_example() -> None:
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rank"])
     ranks = [line.split() for line in lines[header + 1:header + 3]]
-    # proj input [256, 2, 128] and fc1's local input [128, 2, 256]: each a 65536-byte FP8 copy + 2048 B scales
-    assert [int(r[3]) for r in ranks] == [2 * (65536 + 2048)] * 2
+    # Per rank: proj's input [256, 2, 128] and fc1's local input [128, 2, 256] are no longer kept
+    # as FP8 copies (65536 B + 2048 B of 1x128 scales each); the recomputed pre-MLP norm output
+    # [128, 2, 256] bf16 (131072 B) is freed, and so are the norm's own saved mean and rstd
+    # ([128, 2, 1] each, bf16 on CPU: 1024 B), which only the recompute's replay needs.
+    assert [int(r[3]) for r in ranks] == [2 * (65536 + 2048) + 131072 + 1024] * 2
