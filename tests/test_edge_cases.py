@@ -110,3 +110,24 @@ def test_bias_grad_is_summed_in_fp32_and_has_the_bias_dtype() -> None:
     layer(x).backward(dy)
     assert layer.bias.grad.dtype == torch.float32
     assert torch.equal(layer.bias.grad, dy.float().sum(0))
+
+
+def test_token_blocked_casts_fail_in_forward_and_only_when_wgrad_needs_them() -> None:
+    """1x128 columnwise copies block the tokens: 100 tokens cannot train a block-scaled weight.
+    The error comes from forward (also with the flag, whose columnwise cast happens in backward),
+    names the layer, and does not apply when no wgrad will run (inference, frozen weight)."""
+    recipe = mf.recipe.Float8BlockScaling()
+    for flag in (False, True):
+        layer = mf.Linear(256, 256, name="decoder.layers.0.mlp.linear_fc2", save_original_input=flag)
+        with pytest.raises(ValueError, match=r"Linear\(decoder\.layers\.0\.mlp\.linear_fc2\).*multiple of the block"):
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                layer(torch.randn(100, 256))
+    layer = mf.Linear(256, 256)
+    with torch.no_grad(), mf.fp8_autocast(fp8_recipe=recipe):
+        assert layer(torch.randn(100, 256)).shape == (100, 256)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(100, 256, requires_grad=True)
+    with mf.memory.track_saved_tensors() as saved, mf.fp8_autocast(fp8_recipe=recipe):
+        y = layer(x)
+    y.sum().backward()  # dgrad only: no token-blocked cast needed
+    assert x.grad is not None and saved.activation_bytes == 0  # nothing of x kept for a wgrad

@@ -45,7 +45,8 @@ class FP8Module(nn.Module):
             self._fp8_recipe, self._quantizers, self._w_cache = state.recipe, {}, {}
         q = self._quantizers.get(key)
         if q is None:
-            name = f"{type(self).__name__}.{key}"
+            layer = getattr(self, "name", None)  # Megatron-style layer name, when given
+            name = f"{type(self).__name__}({layer}).{key}" if layer else f"{type(self).__name__}.{key}"
             device = getattr(self, key).device
             q = LinearQuantizers(*(
                 make_quantizer(state.recipe, role, name=f"{name}:{role.value}", device=device)

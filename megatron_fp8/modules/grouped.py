@@ -81,6 +81,7 @@ class GroupedLinear(ExpertParams, FP8Module):
         name: str | None = None,
     ) -> None:
         super().__init__()
+        self.name = name
         self._owner = f"{type(self).__name__}({name})" if name else type(self).__name__
         if num_gemms < 1:
             raise ValueError(f"{self._owner}: num_gemms={num_gemms}; a grouped layer needs at least one expert")

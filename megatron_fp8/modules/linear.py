@@ -19,6 +19,7 @@ class Linear(FP8Module):
             (RECIPES.md); a plain attribute, settable after construction.
         skip_bias_add: return ``(y, bias)`` and leave the add to the caller (Megatron style).
         fuse_wgrad_accumulation: accumulate wgrad into ``weight.main_grad`` in FP32.
+        name: used in error messages (e.g. ``"decoder.layers.3.self_attention.linear_proj"``).
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class Linear(FP8Module):
         save_original_input: bool = False,
         skip_bias_add: bool = False,
         fuse_wgrad_accumulation: bool = False,
+        name: str | None = None,
     ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
@@ -46,6 +48,7 @@ class Linear(FP8Module):
         self.save_original_input = save_original_input
         self.skip_bias_add = skip_bias_add
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.name = name
 
     def forward(
         self, x: torch.Tensor, is_first_microbatch: bool | None = None

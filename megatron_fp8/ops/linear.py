@@ -128,6 +128,7 @@ class _Linear(torch.autograd.Function):
         w_fp8: QuantizedTensor | None,
         quantizers: LinearQuantizers | None,
         save_original_input: bool,
+        wgrad: bool,
         fuse_wgrad: bool,
         comm: LinearComm | None,
     ) -> torch.Tensor:
@@ -135,7 +136,7 @@ class _Linear(torch.autograd.Function):
         ctx.fp8 = quantizers is not None
         ctx.x_shape, ctx.has_bias, ctx.fuse_wgrad = x.shape, bias is not None, fuse_wgrad
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_original_input = save_original_input
+        ctx.save_original_input, ctx.wgrad = save_original_input, wgrad
         ctx.weight = weight  # a Parameter: for main_grad and dtype, never an activation
         ctx.comm = comm or _NO_COMM
         if quantizers is None:
@@ -163,7 +164,7 @@ class _Linear(torch.autograd.Function):
             dw = _accumulate_wgrad(weight, dw)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _forward_fp8(ctx: Any, x: torch.Tensor, x2d: torch.Tensor, w_fp8: QuantizedTensor,
@@ -171,12 +172,15 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, x2d: torch.Tensor, w_fp8: QuantizedT
     """fprop on the (gathered) rowwise FP8 x; save what backward's wgrad needs of x (the
     local shard: the original, or its columnwise FP8 copy) and w's columnwise copy."""
     soi = ctx.save_original_input
-    x_q = quantizers.input.quantize(x2d, rowwise=True, columnwise=not soi)
+    # x's columnwise copy serves only wgrad: not cast at all without one (inference, frozen w)
+    x_q = quantizers.input.quantize(x2d, rowwise=True, columnwise=ctx.wgrad and not soi)
     x_fp8_row = ctx.comm.gather_fp8(x_q.operand("rowwise"), columnwise=False).wait()
     y = gemm(x_fp8_row, w_fp8.operand("rowwise"), x.dtype, name="fprop", fast_accum=True)
     w_col = w_fp8.operand("columnwise")
     ctx.quantizers, ctx.layouts = quantizers, (x_fp8_row.layout, w_col.layout)
-    if soi:
+    if not ctx.wgrad:
+        saved_x = []
+    elif soi:
         saved_x = [x] + ([x_q.scale] if x_q.scale is not None else [])
     else:
         x_col = x_q.operand("columnwise")
@@ -257,5 +261,11 @@ def linear(
             f"linear: input has {x.shape[-1]} features (shape {tuple(x.shape)}), "
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)})"
         )
-    return _Linear.apply(x, weight, bias, w_fp8, quantizers, save_original_input,
+    wgrad = torch.is_grad_enabled() and weight.requires_grad
+    if quantizers is not None and wgrad:
+        # wgrad contracts over tokens: fail now for the token-blocked casts backward would do
+        tokens = x.numel() // x.shape[-1]
+        quantizers.input.check_shape((tokens, x.shape[-1]), rowwise=False, columnwise=True)
+        quantizers.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
+    return _Linear.apply(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad,
                          fuse_wgrad_accumulation, comm)

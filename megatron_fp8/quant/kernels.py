@@ -55,12 +55,12 @@ def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
     return row, col.t().contiguous()
 
 
-def _check_1d(x: torch.Tensor, rowwise: bool, columnwise: bool, block: int, name: str) -> None:
+def check_1d(shape: tuple[int, ...], rowwise: bool, columnwise: bool, block: int, name: str) -> None:
     """Shape checks of 1 x ``block`` casts, without touching data (cheap: no kernel, no trace)."""
     if rowwise:
-        ref.check_block_shape(tuple(x.shape), block, f"{name} (rowwise 1x{block})")
+        ref.check_block_shape(tuple(shape), block, f"{name} (rowwise 1x{block})")
     if columnwise:
-        ref.check_block_shape(tuple(x.shape[::-1]), block, f"{name} (columnwise 1x{block} along dim 0)")
+        ref.check_block_shape(tuple(shape[::-1]), block, f"{name} (columnwise 1x{block} along dim 0)")
 
 
 def _columns_1d(x: torch.Tensor, cast: Callable[..., Pair], block: int, what: str, **kw: Any) -> Pair:
@@ -147,7 +147,7 @@ def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
     ok = block == 128 and pow2 and eps == 0.0
     return _run(_blocks_1d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
                 triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise),
-                check=lambda: _check_1d(x, rowwise, columnwise, block, name))
+                check=lambda: check_1d(tuple(x.shape), rowwise, columnwise, block, name))
 
 
 def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
@@ -169,4 +169,4 @@ def cast_mx(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool
     (an FP32 matmul dwarfs the cast), so ``auto`` runs the eager reference here."""
     compile_forced = cast_backend() == "compile"
     return _run(_mx_ref, x, dtype, rowwise, columnwise, block, name, triton_ok=False,
-                check=lambda: _check_1d(x, rowwise, columnwise, block, name), compile_ok=compile_forced)
+                check=lambda: check_1d(tuple(x.shape), rowwise, columnwise, block, name), compile_ok=compile_forced)

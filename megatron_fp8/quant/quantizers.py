@@ -71,6 +71,10 @@ class Quantizer(abc.ABC):
         record_amax: bool = True,
     ) -> QuantizedTensor: ...
 
+    def check_shape(self, shape: tuple[int, int], *, rowwise: bool, columnwise: bool) -> None:  # noqa: B027
+        """Raise the error ``quantize`` would raise for a 2-D ``shape``, without casting (lets a
+        layer fail in forward for a cast that only backward will do). Per-tensor: any shape."""
+
     def _new(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
         return QuantizedTensor(x.shape, x.dtype, self.fp8_dtype, scale=scale)
 
@@ -224,6 +228,12 @@ class _BlockQuantizer(Quantizer):
 
     @abc.abstractmethod
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies: ...
+
+    def check_shape(self, shape: tuple[int, int], *, rowwise: bool, columnwise: bool) -> None:
+        if self.layout is ScaleLayout.BLOCK_128x128:
+            kernels.ref.check_block_shape_2d(tuple(shape), self.block, self.name)
+        else:
+            kernels.check_1d(tuple(shape), rowwise, columnwise, self.block, self.name)
 
 
 class _DeepSeekBlockQuantizer(_BlockQuantizer):
