@@ -131,3 +131,24 @@ def test_token_blocked_casts_fail_in_forward_and_only_when_wgrad_needs_them() ->
         y = layer(x)
     y.sum().backward()  # dgrad only: no token-blocked cast needed
     assert x.grad is not None and saved.activation_bytes == 0  # nothing of x kept for a wgrad
+
+
+def test_fp8_group_must_contain_the_tp_group(monkeypatch) -> None:
+    tp, other = object(), object()
+    ranks = {id(tp): [0, 1], id(other): [0, 2]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda g: ranks[id(g)])
+    layer = ColumnParallelLinear(64, 64, config=ParallelConfig(use_cpu_initialization=True), bias=False)
+    layer.tp_group = tp
+    with pytest.raises(ValueError, match=r"fp8_group=\.\.\.\) lacks tensor-parallel ranks \[1\]"):
+        layer._check_contains_tp(other)
+    ranks[id(other)] = [0, 1, 2, 3]
+    layer._check_contains_tp(other)  # a data+TP group is fine
+
+
+def test_recipe_change_warns_when_it_drops_delayed_history() -> None:
+    layer = mf.Linear(128, 128, name="proj")
+    with mf.fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(torch.randn(128, 128))
+    with pytest.warns(RuntimeWarning, match=r"Linear\(proj\): the FP8 recipe changed .* history is dropped"):
+        with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8BlockScaling()):
+            layer(torch.randn(128, 128))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -42,6 +43,12 @@ class FP8Module(nn.Module):
         if state is None or not state.enabled:
             return None
         if state.recipe != self._fp8_recipe:
+            if any(s for q in self._quantizers.values() for s in (q.input.state_dict(),)):
+                warnings.warn(
+                    f"{type(self).__name__}{f'({self.name})' if getattr(self, 'name', None) else ''}: the FP8 "
+                    f"recipe changed from {self._fp8_recipe.describe()} to {state.recipe.describe()}; "
+                    f"its delayed-scaling history is dropped (checkpoint it first to keep it)",
+                    RuntimeWarning, stacklevel=3)
             self._fp8_recipe, self._quantizers, self._w_cache = state.recipe, {}, {}
         q = self._quantizers.get(key)
         if q is None:

@@ -146,9 +146,26 @@ class ParallelLinearBase(FP8Module):
         contain the TP group), the weight always the TP group."""
         state = current_fp8_state()
         act_group = state.group if state is not None and state.group is not None else self.tp_group
+        if act_group is not self.tp_group:
+            self._check_contains_tp(act_group)
         for quantizer, group in ((q.input, act_group), (q.grad_output, act_group), (q.weight, self.tp_group)):
             if hasattr(quantizer, "group"):
                 quantizer.group = group  # type: ignore[attr-defined]
+
+    def _check_contains_tp(self, group: dist.ProcessGroup) -> None:
+        """An ``fp8_group`` that misses a TP peer would give the ranks different per-tensor
+        scales, and FP8 gathers assume one scale: refuse it (checked once per group)."""
+        checked = self.__dict__.setdefault("_fp8_groups_checked", set())
+        if self.tp_group is None or id(group) in checked:
+            return
+        tp_ranks = set(dist.get_process_group_ranks(self.tp_group))
+        if not tp_ranks <= set(dist.get_process_group_ranks(group)):
+            raise ValueError(
+                f"{self._owner}: fp8_autocast(fp8_group=...) lacks tensor-parallel ranks "
+                f"{sorted(tp_ranks - set(dist.get_process_group_ranks(group)))}; per-tensor scales "
+                f"must agree across the TP group: pass a group containing it (e.g. the TP or the "
+                f"data+TP group), or fp8_group=None to use the TP group")
+        checked.add(id(group))
 
     # ---- Megatron API ----
     def backward_dw(self) -> None:
