@@ -9,7 +9,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from common import Checker, Config
+from common import Checker, Config, shutdown
 from conftest import RECIPES
 
 import megatron_fp8 as mf
@@ -92,8 +92,7 @@ def main() -> int:
     ck.guard("layers", "layers", layers_match_linear, ck)
     ck.guard("async", "async", async_comm_matches_local, ck)
     code = ck.report()
-    dist.barrier()  # no rank tears down gloo while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return code
 
 

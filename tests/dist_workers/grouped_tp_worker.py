@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Checker, Config, init_gloo
+from common import Checker, Config, init_gloo, shutdown
 from conftest import RECIPES
 
 import megatron_fp8 as mf
@@ -179,8 +179,7 @@ def main() -> int:
             ck.guard(f"grouped_{kind}", case.name, case.check, ck)
     ck.guard("grouped_extras", "extras", check_extras, ck, rank, tp)
     code = ck.report()
-    dist.barrier()  # no rank tears down gloo while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return code
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Checker, init_gloo
+from common import Checker, init_gloo, shutdown
 from conftest import RECIPES
 
 import megatron_fp8 as mf
@@ -173,8 +173,7 @@ def main() -> int:
     ck.guard("ckpt", "checkpoints", checkpoint_round_trips, ck, rank, tp, ckpt_dir)
     code = ck.report()
     parallel_state.destroy_model_parallel()
-    dist.barrier()  # no rank tears down gloo while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return code
 
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from common import Checker, init_gloo
+from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
 
 from megatron_fp8.config import FP8Config, LayerRule, apply_layer_flags
@@ -239,7 +239,7 @@ def main() -> int:
     ck.guard("moe", "MoE layer: Megatron local spec vs megatron_fp8 spec", compare_moe, ck, tp)
     code = ck.report()
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    shutdown()
     return code
 
 

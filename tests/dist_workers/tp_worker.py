@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Checker, Config, init_gloo
+from common import Checker, Config, init_gloo, shutdown
 from conftest import RECIPES
 
 import megatron_fp8 as mf
@@ -268,8 +268,7 @@ def main() -> int:
     ck.guard("errors", "errors", check_errors, ck, rank, tp)
     ck.guard("extras", "extras", check_extras, ck, rank, tp)
     code = ck.report()
-    dist.barrier()  # no rank tears down gloo while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return code
 
 
