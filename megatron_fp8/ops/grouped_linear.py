@@ -98,6 +98,10 @@ def _cast_split(
     these per-tensor scales and record no amax (``save_original_input`` in backward).
     """
     n = len(m_splits)
+    fused = quantizers[0].quantize_segments(t, m_splits, peers=quantizers, rowwise=rowwise, columnwise=columnwise,
+                                            scales=scales)
+    if fused is not None:  # one pass over all experts (CUDA)
+        return [q.rowwise for q in fused], [q.columnwise for q in fused], [q.scale for q in fused]
     parts = t.split(list(m_splits))
     rows: list[Operand | None] = [None] * n
     cols: list[Operand | None] = [None] * n

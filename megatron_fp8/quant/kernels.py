@@ -4,8 +4,9 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 ``triton`` | ``compile`` | ``eager`` pins one):
 
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
-  Used for tensorwise casts and for power-of-two 1x128 / 128x128 block casts without an amax
-  epsilon (the defaults).
+  Used for tensorwise casts (and their amax and scale: two launches), for power-of-two 1x128 /
+  128x128 block casts without an amax epsilon (the defaults), and for the one-launch casts of
+  all experts of a grouped layer (``*_segments``).
 * ``compile``: ``torch.compile`` of the reference functions below (block options the kernels
   do not cover; MXFP8 only when forced, since SM90 emulates its GEMMs anyway).
 * ``eager``: the reference itself.
@@ -16,8 +17,9 @@ Every backend computes the reference's arithmetic; the GPU tests compare them bi
 from __future__ import annotations
 
 import functools
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -117,7 +119,7 @@ def _run(fn: Callable[..., Any], x: torch.Tensor, *args: Any, triton_ok: bool,
     """Run a cast on the chosen backend; ``check`` raises the reference's clear shape errors
     before any kernel or compiler sees a bad shape."""
     backend = cast_backend()
-    if not x.is_cuda and backend in ("auto", "triton"):
+    if not _kernel_device(x) and backend in ("auto", "triton"):
         backend = "eager"  # `compile` may be forced on CPU (for testing the compiled path)
     if check is not None:
         check()
@@ -139,6 +141,84 @@ def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
         return (row[0] if row else None), (col[0] if col else None)
 
     return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri)
+
+
+# ---- per-tensor amax and scale ----------------------------------------------------------------
+def _kernel_device(x: torch.Tensor) -> bool:
+    """CUDA tensors; CPU ones too under ``TRITON_INTERPRET=1`` (Triton's interpreter, for
+    debugging the kernels on a machine without a GPU; its FP8 rounding is not the hardware's)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return _kernel_device(x) and x.dim() == 2 and cast_backend() in ("auto", "triton") and _triton() is not None
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as an FP32 scalar (NaN propagates), ``reference.tensor_amax``'s value."""
+    if _fused(x):
+        return _triton().amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(())
+    return ref.tensor_amax(x)
+
+
+def tensor_scale(x: torch.Tensor, dtype: torch.dtype, *, power_2_scale: bool = False,
+                 amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1/scale)`` from this tensor's amax (current scaling, no group reduction)."""
+    if _fused(x):
+        _, s, inv = _triton().amax_and_scale(x, dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+        return s.view(()), inv.view(())
+    return scale_from_amax(ref.tensor_amax(x), dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, power_2_scale: bool = False,
+                    amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reference.amax_to_scale(amax), its reciprocal)``; one launch on CUDA."""
+    kw: dict[str, Any] = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    if _kernel_device(amax) and cast_backend() in ("auto", "triton") and _triton() is not None:
+        s, inv = _triton().scale_from_amax(amax, dtype, **kw)
+        return s.view(amax.shape), inv.view(amax.shape)
+    s = ref.amax_to_scale(amax, dtype, **kw)
+    return s, torch.reciprocal(s)
+
+
+# ---- segments (the experts of a grouped layer, rows back to back) ---------------------------
+def segments_fused(x: torch.Tensor) -> bool:
+    """Whether one-launch casts of all segments run here (CUDA with Triton)."""
+    return _fused(x)
+
+
+def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Prefix sums of ``splits`` on ``device``, copied from pinned memory without a sync."""
+    off = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return off.to(device, non_blocking=True)
+
+
+def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,
+                       power_2_scale: bool = False, amax_epsilon: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA)."""
+    off = _offsets(splits, x.device)
+    amax, s, inv = _triton().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
+                                           power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    return amax, s, inv, off
+
+
+def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: torch.Tensor, dtype: torch.dtype,
+                             rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None
+                             ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Each segment cast with its scale (``scales [E]``), one launch: per segment the rowwise
+    ``[m_e, K]`` and the columnwise ``[K, m_e]`` data (each contiguous)."""
+    off = offsets if offsets is not None else _offsets(splits, x.device)
+    rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise,
+                                         scales.float().contiguous())
+    return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None)
+
+
+def cast_blocks_1d_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
+                            columnwise: bool) -> tuple[list[Pair] | None, list[Pair] | None]:
+    """1x128 casts of every segment in one launch (every split a multiple of 128)."""
+    return _triton().cast_segments(x, _offsets(splits, x.device), list(splits), dtype, "1x128", rowwise,
+                                   columnwise)
 
 
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,

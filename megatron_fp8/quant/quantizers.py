@@ -8,6 +8,7 @@ backward with the forward's scale, recording no second amax).
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ..recipe import (
 )
 from . import kernels
 from .formats import ScaleLayout, check_high_precision
-from .reference import amax_to_scale, tensor_amax
+from .reference import amax_to_scale
 from .tensor import Operand, QuantizedTensor
 
 __all__ = [
@@ -38,8 +39,13 @@ __all__ = [
 ]
 
 
+def _grouped(group: dist.ProcessGroup | None) -> bool:
+    """Whether amaxes are reduced over ``group`` (more than one rank)."""
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
 def _reduce_amax(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if _grouped(group):
         amax = amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
@@ -71,6 +77,29 @@ class Quantizer(abc.ABC):
         record_amax: bool = True,
     ) -> QuantizedTensor: ...
 
+    def quantize_segments(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        *,
+        peers: Sequence[Quantizer],
+        rowwise: bool,
+        columnwise: bool,
+        scales: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[QuantizedTensor] | None:
+        """Cast each row segment of ``x`` (``splits``: the experts' token counts; ``peers``: one
+        quantizer per segment, this one first) exactly as ``peers[i].quantize(segment_i)`` would,
+        in one pass; ``scales``: per-segment scales to reuse. None where no fused path applies
+        here (the caller then casts segment by segment)."""
+        return None
+
+    def _config(self) -> tuple[Any, ...]:
+        """What makes two stateless quantizers cast identically."""
+        return (type(self), self.fp8_dtype)
+
+    def _peers_match(self, peers: Sequence[Quantizer]) -> bool:
+        return all(q._config() == self._config() for q in peers)
+
     def check_shape(self, shape: tuple[int, int], *, rowwise: bool, columnwise: bool) -> None:  # noqa: B027
         """Raise the error ``quantize`` would raise for a 2-D ``shape``, without casting (lets a
         layer fail in forward for a cast that only backward will do). Per-tensor: any shape."""
@@ -96,7 +125,8 @@ class _PerTensorQuantizer(Quantizer):
         self.group = group
 
     @abc.abstractmethod
-    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor: ...
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, 1 / scale)`` for casting ``x`` now."""
 
     def quantize(
         self,
@@ -109,10 +139,11 @@ class _PerTensorQuantizer(Quantizer):
     ) -> QuantizedTensor:
         _check_2d(x, self.name)
         if scale is None:
-            scale = self._scale_for(x, record_amax)
+            scale, scale_inv = self._scale_for(x, record_amax)
+        else:
+            scale_inv = torch.reciprocal(scale)
         row, col = kernels.cast_tensorwise(x, scale, self.fp8_dtype, rowwise, columnwise)
         qt = self._new(x, scale)
-        scale_inv = torch.reciprocal(scale)
         if row is not None:
             qt.rowwise = Operand(row, scale_inv, self.layout)
         if col is not None:
@@ -136,11 +167,51 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         self.power_2_scale = power_2_scale
         self.amax_epsilon = amax_epsilon
 
-    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
-        amax = _reduce_amax(tensor_amax(x), self.group)
-        return amax_to_scale(
-            amax, self.fp8_dtype, power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon
-        )
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
+        if not _grouped(self.group):
+            return kernels.tensor_scale(x, self.fp8_dtype, **kw)
+        amax = _reduce_amax(kernels.tensor_amax(x), self.group)
+        return kernels.scale_from_amax(amax, self.fp8_dtype, **kw)
+
+
+    def _config(self) -> tuple[Any, ...]:
+        return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.group)
+
+    def quantize_segments(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        *,
+        peers: Sequence[Quantizer],
+        rowwise: bool,
+        columnwise: bool,
+        scales: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[QuantizedTensor] | None:
+        _check_2d(x, self.name)
+        if not (kernels.segments_fused(x) and self._peers_match(peers)) or not (rowwise or columnwise):
+            return None
+        kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
+        offsets = None
+        if scales is None:
+            reduce = _grouped(self.group)
+            amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce, **kw)
+            if reduce:  # one all-reduce for every expert's amax
+                scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
+        else:
+            scale = torch.stack([s.view(()) for s in scales])  # type: ignore[union-attr]
+            inv = torch.reciprocal(scale)
+        assert scale is not None and inv is not None
+        rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
+        out = []
+        for i, m in enumerate(splits):
+            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype, scale=scale[i])
+            if rows is not None:
+                qt.rowwise = Operand(rows[i], inv[i], self.layout)
+            if cols is not None:
+                qt.columnwise = Operand(cols[i], inv[i], self.layout)
+            out.append(qt)
+        return out
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):
@@ -189,9 +260,9 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self._to(x.device)
         self._advance()
         if record_amax:
-            amax = _reduce_amax(tensor_amax(x), self.group)
+            amax = _reduce_amax(kernels.tensor_amax(x), self.group)
             self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
-        return self.scale
+        return self.scale, torch.reciprocal(self.scale)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
@@ -247,6 +318,37 @@ class Block1DQuantizer(_DeepSeekBlockQuantizer):
     """1x128 tiles along the contraction dim (activations and gradients)."""
 
     layout = ScaleLayout.BLOCK_1x128
+
+    def _config(self) -> tuple[Any, ...]:
+        return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.block)
+
+    def quantize_segments(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        *,
+        peers: Sequence[Quantizer],
+        rowwise: bool,
+        columnwise: bool,
+        scales: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[QuantizedTensor] | None:
+        """One launch when every split is a multiple of 128 (no columnwise block spans two
+        experts) and the fused kernel covers the options (power-of-two, no epsilon)."""
+        _check_2d(x, self.name)
+        fused = (kernels.segments_fused(x) and self._peers_match(peers) and self.block == 128
+                 and self.power_2_scale and self.amax_epsilon == 0.0 and x.shape[1] % 128 == 0)
+        if not fused or any(m % 128 for m in splits) or not (rowwise or columnwise):
+            return None
+        rows, cols = kernels.cast_blocks_1d_segments(x, splits, self.fp8_dtype, rowwise, columnwise)
+        out = []
+        for i, m in enumerate(splits):
+            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype)
+            if rows is not None:
+                qt.rowwise = Operand(*rows[i], self.layout)
+            if cols is not None:
+                qt.columnwise = Operand(*cols[i], self.layout)
+            out.append(qt)
+        return out
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
         return kernels.cast_blocks_1d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,

@@ -1,7 +1,8 @@
 """Fused FP8 cast kernels (Triton, CUDA only): one read of the input writes the rowwise copy,
-the transposed columnwise copy and their scales.
+the transposed columnwise copy and their scales; per-tensor amaxes and scales without a round
+trip through small eager kernels.
 
-One program owns a 128x128 tile of ``x [M, K]``:
+One program of the cast kernel owns a 128x128 tile of ``x [M, K]``:
 
 =============  =====================================  ======================================
 mode           rowwise copy ``[M, K]``                columnwise copy ``[K, M]`` (transposed)
@@ -11,10 +12,26 @@ mode           rowwise copy ``[M, K]``                columnwise copy ``[K, M]``
 ``tensor``     the given per-tensor scale             the same scale
 =============  =====================================  ======================================
 
-The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two scales come from
-the exponent and mantissa bits of the amax (no division), values are multiplied by the scale,
-clamped to +-FP8_MAX with NaN kept, and rounded to nearest-even by the FP8 conversion. The GPU
-tests compare every output with the CPU reference with ``torch.equal``.
+1x128 scales are written in the layout the SM90 block GEMM reads (the scaled dim outermost:
+storage ``[K/128, M]`` viewed as ``[M, K/128]``), so the GEMM core copies nothing.
+
+Segments (MoE experts): ``x`` holds ``E`` row groups back to back (``offsets [E+1]``). Then the
+per-tensor scale is per segment, and each segment's columnwise copy ``[K, m_e]`` (and its
+1x128 scales) is contiguous on its own, as a separate cast of that segment would give; one
+launch casts every expert. Segmented 1x128 casts need every offset to be a multiple of 128
+(a columnwise block never spans two experts).
+
+Per-tensor amax: ``_row_amax_kernel`` reduces ``|x|`` per row (and K slice) as integer bit
+patterns (for non-negative floats the integer order is the float order, and a NaN sorts above
+inf, so a NaN amax propagates as in ``torch.max``); ``_segment_scale_kernel`` reduces those per
+segment and turns the amax into ``(scale, 1/scale)`` in FP64, exactly as
+``reference.amax_to_scale`` and ``torch.reciprocal`` do (a correctly rounded FP64 result rounded
+to FP32 is the correctly rounded FP32 result for a division).
+
+The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
+come from the exponent and mantissa bits of the amax (no division), values are multiplied by
+the scale, clamped to +-FP8_MAX with NaN kept, and rounded to nearest-even by the FP8
+conversion. The GPU tests compare every output with the CPU reference with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from .formats import fp8_max
 
 TILE = 128
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
+_F32_MAX = 3.4028234663852886e38
 
 
 @triton.jit
@@ -47,6 +65,77 @@ def _pow2_scale(amax, F_EXP: tl.constexpr, F_MANT: tl.constexpr):
 
 
 @triton.jit
+def _tensor_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, MARGIN_DIV: tl.constexpr,
+                  POW2: tl.constexpr):
+    """``reference.amax_to_scale`` and ``torch.reciprocal`` of its result: FP64 division,
+    rounded once to FP32."""
+    a = amax.to(tl.float64)
+    if EPS > 0:
+        a = tl.where(a < EPS, EPS, a)  # a NaN stays NaN (and then gives scale 1)
+    good = (a > 0) & (a < float("inf"))
+    safe = tl.where(good, a, 1.0)
+    s = (tl.zeros_like(safe) + FMAX) / safe  # FP64 division: IEEE round-to-nearest (div.rn.f64)
+    if MARGIN_DIV != 1.0:
+        s = s / MARGIN_DIV
+    s = tl.minimum(s, tl.zeros_like(s) + 3.4028234663852886e38)
+    s32 = tl.where(good, s, 1.0).to(tl.float32)
+    if POW2:
+        s32 = (s32.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    s64 = s32.to(tl.float64)
+    inv = ((tl.zeros_like(s64) + 1.0) / s64).to(tl.float32)
+    return s32, inv
+
+
+@triton.jit
+def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.constexpr):
+    """``part[m, s]`` = max |x[m, k]| over K slice ``s``, as FP32 bit patterns."""
+    pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_r * R + tl.arange(0, R)
+    acc = tl.zeros([R, BK], dtype=tl.int32)
+    k0 = pid_s * k_per  # k_per: a multiple of BK, so slices never overlap
+    for kk in range(0, k_per, BK):
+        offs_k = k0 + kk + tl.arange(0, BK)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.store(part_ptr + offs_m.to(tl.int64) * S + pid_s, tl.max(acc, axis=1), mask=offs_m < M)
+
+
+@triton.jit
+def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
+                          SEG: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
+                          MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr):
+    """Per segment ``e``: amax over its rows' partials, then (if ``SCALE``) scale and 1/scale."""
+    e = tl.program_id(0)
+    if SEG:
+        lo = tl.load(seg_ptr + e) * S
+        hi = tl.load(seg_ptr + e + 1) * S
+    else:
+        lo = 0
+        hi = M * S
+    acc = tl.zeros([B], dtype=tl.int32)
+    for i in range(lo, hi, B):
+        offs = i + tl.arange(0, B)
+        acc = tl.maximum(acc, tl.load(part_ptr + offs, mask=offs < hi, other=0))
+    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+    tl.store(amax_ptr + e, amax)
+    if SCALE:
+        s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
+        tl.store(scale_ptr + e, s)
+        tl.store(inv_ptr + e, inv)
+
+
+@triton.jit
+def _scale_from_amax_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, EPS: tl.constexpr,
+                            MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    amax = tl.load(amax_ptr + offs, mask=offs < n, other=0.0)
+    s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
+    tl.store(scale_ptr + offs, s, mask=offs < n)
+    tl.store(inv_ptr + offs, inv, mask=offs < n)
+
+
+@triton.jit
 def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
     v = v * scale
     v = tl.minimum(tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
@@ -55,10 +144,19 @@ def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
+def _segment_of(rows, seg_ptr, n_seg):
+    """Segment index of each row (``offsets[e] <= row < offsets[e + 1]``)."""
+    eid = tl.zeros_like(rows)
+    for j in range(1, n_seg):
+        eid += (rows >= tl.load(seg_ptr + j)).to(rows.dtype)
+    return eid
+
+
+@triton.jit
 def _cast_tile_kernel(
-    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr,
-    M, K, n_kb, n_mb,
-    MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr,
+    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
+    M, K, n_kb, n_mb, n_seg,
+    MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr,
 ):
@@ -69,27 +167,41 @@ def _cast_tile_kernel(
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     a = tl.abs(x)
+    rows64 = offs_m.to(tl.int64)
+    if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
+        eid = _segment_of(rows64, seg_ptr, n_seg)
+        start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)
+        length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0) - start
+    else:
+        start = tl.zeros_like(rows64)
+        length = tl.zeros_like(rows64) + M
     if MODE == 2:
-        s_all = tl.load(tensor_scale_ptr)
+        if SEG:
+            s_all = tl.load(tensor_scale_ptr + eid, mask=offs_m < M, other=1.0)[:, None]
+        else:
+            s_all = tl.load(tensor_scale_ptr)
     elif MODE == 1:
         s_all, inv_all = _pow2_scale(tl.max(tl.max(a, axis=1), axis=0), F_EXP, F_MANT)
         tl.store(row_s_ptr + pid_m * n_kb + pid_k, inv_all)
     if DO_ROW:
         if MODE == 0:
             s_r, inv_r = _pow2_scale(tl.max(a, axis=1), F_EXP, F_MANT)  # [T]: one per row
-            tl.store(row_s_ptr + offs_m.to(tl.int64) * n_kb + pid_k, inv_r, mask=offs_m < M)
+            # scale storage [K/128, m_e] per segment (scaled dim outermost)
+            tl.store(row_s_ptr + start * n_kb + pid_k * length + (rows64 - start), inv_r, mask=offs_m < M)
             q = _quantize(x, s_r[:, None], FMAX, OUT)
         else:
             q = _quantize(x, s_all, FMAX, OUT)
-        tl.store(row_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], q, mask=mask)
+        tl.store(row_ptr + rows64[:, None] * K + offs_k[None, :], q, mask=mask)
     if DO_COL:
         if MODE == 0:
             s_c, inv_c = _pow2_scale(tl.max(a, axis=0), F_EXP, F_MANT)  # [T]: one per column
-            tl.store(col_s_ptr + offs_k.to(tl.int64) * n_mb + pid_m, inv_c, mask=offs_k < K)
+            # scale storage [M/128, K]: a segment's blocks are its own rows of it
+            tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
             q = _quantize(x, s_c[None, :], FMAX, OUT)
         else:
             q = _quantize(x, s_all, FMAX, OUT)
-        tl.store(col_ptr + offs_k[None, :].to(tl.int64) * M + offs_m[:, None], q, mask=mask)
+        dst = start[:, None] * K + offs_k[None, :].to(tl.int64) * length[:, None] + (rows64 - start)[:, None]
+        tl.store(col_ptr + dst, q, mask=mask)
 
 
 def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
@@ -100,34 +212,127 @@ def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
     return fmax, int(exp) - 1, bits, out
 
 
+Copy = tuple[torch.Tensor, torch.Tensor | None]
+
+
 def cast_tiles(
     x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
     tensor_scale: torch.Tensor | None = None,
-) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
+) -> tuple[Copy | None, Copy | None]:
     """Cast ``x [M, K]`` (contiguous, CUDA). Returns ``(row, col)``, each ``(data, scale_inv)``
     or None; ``scale_inv`` is None in ``tensor`` mode (the caller holds the scale)."""
     m, k = x.shape
-    x = x.contiguous()
     rowwise = rowwise or mode == "128x128"  # the 2-D block scales come with the rowwise pass
-    n_mb, n_kb = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
-    row = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
-    col = torch.empty((k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
-    row_s = col_s = None
-    if mode == "1x128":
-        row_s = torch.empty((m, n_kb), dtype=torch.float32, device=x.device) if rowwise else None
-        col_s = torch.empty((k, n_mb), dtype=torch.float32, device=x.device) if columnwise else None
-    elif mode == "128x128":
-        row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=x.device)
-    fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
-    dummy = x  # placeholder pointer for absent outputs
-    _cast_tile_kernel[(n_mb, n_kb)](
-        x, row if row is not None else dummy, row_s if row_s is not None else dummy,
-        col if col is not None else dummy, col_s if col_s is not None else dummy,
-        tensor_scale if tensor_scale is not None else dummy,
-        m, k, n_kb, n_mb,
-        MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8,
-    )
+    row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, None, 1)
     if mode == "128x128":
         return (row, row_s), ((col, row_s.t().contiguous()) if columnwise else None)
+    if mode == "1x128":
+        row_s = row_s.view(triton.cdiv(k, TILE), m).t() if row_s is not None else None  # [M, K/128], M-major
+        col_s = col_s.t() if col_s is not None else None  # [K, M/128], K-major
     return ((row, row_s) if rowwise else None), ((col, col_s) if columnwise else None)
+
+
+def cast_segments(
+    x: torch.Tensor, offsets: torch.Tensor, splits: list[int], fp8_dtype: torch.dtype, mode: str,
+    rowwise: bool, columnwise: bool, tensor_scale: torch.Tensor | None = None,
+) -> tuple[list[Copy] | None, list[Copy] | None]:
+    """Cast each row segment of ``x`` (``splits``; ``offsets`` their device prefix sums) as a
+    separate ``cast_tiles`` of it would: per segment ``(data, scale_inv)`` views. ``tensor``
+    mode: ``tensor_scale [E]`` per segment; ``1x128``: every split a multiple of 128."""
+    if mode == "128x128":
+        raise ValueError("cast_segments: 128x128 blocks span rows; cast per segment")
+    if mode == "1x128" and any(s % TILE for s in splits):
+        raise ValueError(f"cast_segments: 1x128 segments must be multiples of {TILE} rows, got {splits}")
+    m, k = x.shape
+    row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale,
+                                     offsets, len(splits))
+    n_kb = triton.cdiv(k, TILE)
+    rows: list[Copy] | None = [] if rowwise else None
+    cols: list[Copy] | None = [] if columnwise else None
+    lo = 0
+    for n in splits:
+        hi = lo + n
+        if rows is not None:
+            s = row_s[lo * n_kb : hi * n_kb].view(n_kb, n).t() if row_s is not None else None
+            rows.append((row[lo:hi], s))
+        if cols is not None:
+            s = col_s[lo // TILE : hi // TILE].t() if col_s is not None else None
+            cols.append((col[lo * k : hi * k].view(k, n), s))
+        lo = hi
+    return rows, cols
+
+
+def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
+            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int):
+    """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
+    m, k = x.shape
+    n_mb, n_kb = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
+    dev = x.device
+    row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
+    col = torch.empty((k * m,) if offsets is not None else (k, m), dtype=fp8_dtype, device=dev) if columnwise else None
+    row_s = col_s = None
+    if mode == "1x128":
+        row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
+        col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
+    elif mode == "128x128":
+        row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
+    fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
+    dummy = x  # placeholder pointer for absent outputs
+
+    def ptr(t: torch.Tensor | None) -> torch.Tensor:
+        return t if t is not None else dummy
+
+    _cast_tile_kernel[(n_mb, n_kb)](
+        x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
+        m, k, n_kb, n_mb, n_seg,
+        MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8,
+    )
+    return row, row_s, col, col_s
+
+
+# ---- per-tensor amax and scale ---------------------------------------------------------------
+_R, _BK = 16, 256  # rows x columns per amax step
+_MIN_PROGRAMS = 1024
+
+
+def amax_and_scale(
+    x: torch.Tensor, fp8_dtype: torch.dtype, *, offsets: torch.Tensor | None = None, n_seg: int = 1,
+    scale: bool = True, margin: int = 0, power_2_scale: bool = False, amax_epsilon: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(amax [E], scale [E], 1/scale [E])`` of ``x [M, K]`` (or of each row segment): two
+    launches. ``scale=False``: amax only (to be reduced over a group first)."""
+    m, k = x.shape
+    x = x.contiguous()
+    n_r = triton.cdiv(m, _R)
+    n_kc = triton.cdiv(k, _BK)
+    s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
+    k_per = triton.cdiv(n_kc, s) * _BK
+    s = triton.cdiv(k, k_per) if k else 1
+    part = torch.empty((m * s,), dtype=torch.int32, device=x.device)
+    if m and k:
+        _row_amax_kernel[(n_r, s)](x, part, m, k, s, k_per, R=_R, BK=_BK, num_warps=4)
+    elif m:
+        part.zero_()
+    amax = torch.empty((n_seg,), dtype=torch.float32, device=x.device)
+    sc = torch.empty_like(amax) if scale else None
+    inv = torch.empty_like(amax) if scale else None
+    _segment_scale_kernel[(n_seg,)](
+        part, offsets if offsets is not None else part, m, s, amax, sc if sc is not None else amax,
+        inv if inv is not None else amax, SEG=offsets is not None, SCALE=scale, FMAX=fp8_max(fp8_dtype),
+        EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin), POW2=power_2_scale, B=1024, num_warps=4,
+    )
+    return amax, sc, inv
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int = 0, power_2_scale: bool = False,
+                    amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, 1/scale)`` of an FP32 amax tensor (any shape), one launch."""
+    a = amax.contiguous().float()
+    sc, inv = torch.empty_like(a), torch.empty_like(a)
+    n = a.numel()
+    _scale_from_amax_kernel[(triton.cdiv(max(n, 1), 256),)](
+        a, sc, inv, n, FMAX=fp8_max(fp8_dtype), EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin),
+        POW2=power_2_scale, B=256, num_warps=4,
+    )
+    return sc, inv
