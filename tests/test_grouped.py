@@ -175,6 +175,27 @@ def test_saved_bytes_exact(name: str) -> None:
     assert got[False].parameter_bytes == got[True].parameter_bytes > 0
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_wgrad_saves_no_input_copy(name: str) -> None:
+    """Frozen experts: x's columnwise copies serve only wgrad, so none is cast or saved; dx still
+    flows (and equals the trainable layer's)."""
+    recipe, splits = RECIPES[name], _splits("aligned", name)
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), N, dtype=torch.bfloat16)
+    dxs = []
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16)
+        layer.requires_grad_(not frozen)
+        with mf.memory.track_saved_tensors() as saved, mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, splits)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        dxs.append(dx)
+        if frozen:
+            assert saved.activation_bytes == 0
+    assert torch.equal(dxs[0], dxs[1])
+
+
 # ---- state, options -------------------------------------------------------------------------
 def test_per_expert_delayed_history_roundtrips_through_state_dict() -> None:
     recipe = DelayedScaling(amax_history_len=8)

@@ -63,6 +63,7 @@ class GroupedArgs:
     save_original_input: bool = False
     fuse_wgrad: bool = False
     name: str = "GroupedLinear"
+    wgrad: bool = True  # False: no weight grad will run (inference, frozen experts)
 
 
 def rows_independent(layout: ScaleLayout) -> bool:
@@ -202,12 +203,16 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> list[torch.Ten
     assert args.quantizers is not None and args.w_fp8 is not None
     soi = args.save_original_input
     inputs = _roles(args.quantizers, "input")
-    x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True, columnwise=not soi)
+    # x's columnwise copies serve only wgrad: not cast at all without one
+    x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
+                                           columnwise=args.wgrad and not soi)
     w_rows = [w.operand("rowwise") for w in args.w_fp8]
     ys = grouped_gemm(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
     w_cols = [w.operand("columnwise") for w in args.w_fp8]
     ctx.layouts = (inputs[0].layout, w_cols[0].layout)
-    if soi:
+    if not args.wgrad:
+        x_groups = [[] for _ in range(len(x_cols) + 1)]
+    elif soi:
         x_groups = [[x]] + [[s] if s is not None else [] for s in x_scales]
     else:
         x_groups = [[]] + [[c.data, c.scale_inv] for c in x_cols]
@@ -298,9 +303,10 @@ def grouped_linear(
         with torch.no_grad():
             w_fp8 = [mark_param_derived(q.weight.quantize(w, rowwise=True, columnwise=True))
                      for q, w in zip(quantizers, weights)]
+    wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     args = GroupedArgs(splits, tuple(w_fp8) if w_fp8 is not None else None,
                        tuple(quantizers) if quantizers is not None else None,
-                       save_original_input, fuse_wgrad_accumulation, name)
+                       save_original_input, fuse_wgrad_accumulation, name, wgrad)
     bias_list = list(biases) if biases is not None else [None] * n
     y = _GroupedLinear.apply(x2d, args, *weights, *bias_list)
     return y.reshape(*x.shape[:-1], y.shape[-1])

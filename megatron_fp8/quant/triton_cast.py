@@ -36,6 +36,8 @@ conversion. The GPU tests compare every output with the CPU reference with ``tor
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -170,11 +172,13 @@ def _cast_tile_kernel(
     rows64 = offs_m.to(tl.int64)
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
         eid = _segment_of(rows64, seg_ptr, n_seg)
-        start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)
-        length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0) - start
-    else:
-        start = tl.zeros_like(rows64)
-        length = tl.zeros_like(rows64) + M
+        if MODE == 0:  # 1x128 segments are multiples of 128: one segment per tile
+            eid0 = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
+            start = tl.load(seg_ptr + eid0)
+            length = tl.load(seg_ptr + eid0 + 1) - start
+        else:
+            start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[:, None]
+            length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0)[:, None] - start
     if MODE == 2:
         if SEG:
             s_all = tl.load(tensor_scale_ptr + eid, mask=offs_m < M, other=1.0)[:, None]
@@ -187,7 +191,11 @@ def _cast_tile_kernel(
         if MODE == 0:
             s_r, inv_r = _pow2_scale(tl.max(a, axis=1), F_EXP, F_MANT)  # [T]: one per row
             # scale storage [K/128, m_e] per segment (scaled dim outermost)
-            tl.store(row_s_ptr + start * n_kb + pid_k * length + (rows64 - start), inv_r, mask=offs_m < M)
+            if SEG:
+                dst_s = start * n_kb + pid_k * length + (rows64 - start)
+            else:
+                dst_s = pid_k * M + rows64
+            tl.store(row_s_ptr + dst_s, inv_r, mask=offs_m < M)
             q = _quantize(x, s_r[:, None], FMAX, OUT)
         else:
             q = _quantize(x, s_all, FMAX, OUT)
@@ -200,8 +208,18 @@ def _cast_tile_kernel(
             q = _quantize(x, s_c[None, :], FMAX, OUT)
         else:
             q = _quantize(x, s_all, FMAX, OUT)
-        dst = start[:, None] * K + offs_k[None, :].to(tl.int64) * length[:, None] + (rows64 - start)[:, None]
+        if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
+            dst = start * K + offs_k[None, :].to(tl.int64) * length + (rows64[:, None] - start)
+        else:
+            dst = offs_k[None, :].to(tl.int64) * M + rows64[:, None]
         tl.store(col_ptr + dst, q, mask=mask)
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter cannot time configs
+    _cast_tile_kernel = triton.autotune(  # outputs are overwritten, never accumulated: safe to rerun
+        configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+        key=["M", "K", "n_seg", "MODE", "DO_ROW", "DO_COL", "SEG", "OUT"],
+    )(_cast_tile_kernel)
 
 
 def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
@@ -286,7 +304,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         m, k, n_kb, n_mb, n_seg,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE,
     )
     return row, row_s, col, col_s
 

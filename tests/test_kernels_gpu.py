@@ -1,0 +1,82 @@
+"""The fused amax/scale kernels and the one-launch expert casts against the CPU reference,
+bitwise (skip without CUDA; run on the device machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fp8.quant import kernels
+from megatron_fp8.quant import reference as ref
+from megatron_fp8.quant.quantizers import Block1DQuantizer, CurrentScalingQuantizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+AMAXES = torch.tensor([0.0, 1.0, 3.0, 448.0, 449.0, 57344.0, 1e-30, 1.4e-45, 1e-38, 3.0e38, 7.77e5,
+                       float("inf"), float("nan"), 2.0**-20, 1.0 / 3.0, 12345.678])
+
+
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-4])
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+def test_scale_from_amax_bitwise(dtype: torch.dtype, eps: float, pow2: bool, margin: int) -> None:
+    amax = torch.cat([AMAXES, torch.rand(4096) * torch.logspace(-30, 30, 4096)])
+    s_ref = ref.amax_to_scale(amax, dtype, margin=margin, power_2_scale=pow2, amax_epsilon=eps)
+    s, inv = kernels.scale_from_amax(amax.cuda(), dtype, margin=margin, power_2_scale=pow2, amax_epsilon=eps)
+    assert _bits_equal(s, s_ref)
+    assert _bits_equal(inv, torch.reciprocal(s_ref))
+
+
+@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 14336), (1, 7), (1000, 40), (0, 128)])
+def test_tensor_amax_and_scale_bitwise(shape: tuple[int, int]) -> None:
+    x = torch.randn(shape, dtype=torch.bfloat16) * 7
+    if x.numel():
+        x.view(-1)[x.numel() // 2] = -1.0e4
+    ra = ref.tensor_amax(x)
+    assert _bits_equal(kernels.tensor_amax(x.cuda()), ra)
+    s, inv = kernels.tensor_scale(x.cuda(), E4)
+    s_ref = ref.amax_to_scale(ra, E4)
+    assert _bits_equal(s, s_ref) and _bits_equal(inv, torch.reciprocal(s_ref))
+    if x.numel():
+        x.view(-1)[3] = float("nan")
+        assert torch.isnan(kernels.tensor_amax(x.cuda())).item()
+        assert kernels.tensor_scale(x.cuda(), E4)[0].item() == 1.0
+
+
+@pytest.mark.parametrize("splits", [[128, 0, 300, 5, 1000], [2048] * 8, [0, 0, 17]])
+def test_current_segments_equal_per_expert_reference(splits: list[int]) -> None:
+    x = torch.randn(sum(splits), 512, dtype=torch.bfloat16) * torch.linspace(0.1, 10, sum(splits)).unsqueeze(1)
+    q = CurrentScalingQuantizer(E4)
+    fused = q.quantize_segments(x.cuda(), splits, peers=[q] * len(splits), rowwise=True, columnwise=True)
+    assert fused is not None
+    for part, g in zip(x.split(splits), fused):
+        c = q.quantize(part, rowwise=True, columnwise=True)
+        assert _bits_equal(g.scale, c.scale)
+        for usage in ("rowwise", "columnwise"):
+            assert _bits_equal(g.operand(usage).data, c.operand(usage).data)
+            assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv)
+            assert g.operand(usage).data.is_contiguous()
+
+
+@pytest.mark.parametrize("splits", [[256, 0, 128, 384], [2048] * 8])
+def test_block_segments_equal_per_expert_reference(splits: list[int]) -> None:
+    x = torch.randn(sum(splits), 1024, dtype=torch.bfloat16) * 3
+    x[:128, :128] = 0.0
+    q = Block1DQuantizer(E4)
+    fused = q.quantize_segments(x.cuda(), splits, peers=[q] * len(splits), rowwise=True, columnwise=True)
+    assert fused is not None
+    for part, g in zip(x.split(splits), fused):
+        c = q.quantize(part, rowwise=True, columnwise=True)
+        for usage in ("rowwise", "columnwise"):
+            assert _bits_equal(g.operand(usage).data, c.operand(usage).data)
+            assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv)
+    assert q.quantize_segments(x.cuda(), [100, sum(splits) - 100], peers=[q] * 2, rowwise=True,
+                               columnwise=True) is None  # not multiples of 128: caller pads per expert
