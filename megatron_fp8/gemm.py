@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 def native_supported(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> bool:
     """Whether this device has a native FP8 GEMM for the layout pair ``(a, b)``."""
+    return _native_supported(a, b, torch.device(device))
+
+
+@functools.cache  # called per GEMM (per expert in grouped layers): keep it cheap
+def _native_supported(a: ScaleLayout, b: ScaleLayout, device: torch.device) -> bool:
     pair = (a, b)
     if device.type == "cpu":
         return pair in {(L.TENSOR, L.TENSOR), (L.ROW, L.ROW)}

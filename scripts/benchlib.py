@@ -18,6 +18,8 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
     if torch.cuda.is_available():
         import triton.testing
 
+        fn()  # compile / autotune outside the timing (do_bench sizes its loops from early calls)
+        torch.cuda.synchronize()
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     import statistics
     import time

@@ -15,8 +15,10 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = (t.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1) for t in (a, b))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 AMAXES = torch.tensor([0.0, 1.0, 3.0, 448.0, 449.0, 57344.0, 1e-30, 1.4e-45, 1e-38, 3.0e38, 7.77e5,

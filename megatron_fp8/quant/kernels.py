@@ -203,14 +203,24 @@ def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtyp
     return amax, s, inv, off
 
 
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t [E]`` copied so that each ``t[i]`` is 16-byte aligned (a per-expert GEMM scale)."""
+    out = _triton().aligned_scalars(t.numel(), t.device)
+    out.copy_(t)
+    return out
+
+
 def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: torch.Tensor, dtype: torch.dtype,
                              rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None
                              ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """Each segment cast with its scale (``scales [E]``), one launch: per segment the rowwise
     ``[m_e, K]`` and the columnwise ``[K, m_e]`` data (each contiguous)."""
     off = offsets if offsets is not None else _offsets(splits, x.device)
-    rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise,
-                                         scales.float().contiguous())
+    if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
+        aligned = _triton().aligned_scalars(len(splits), x.device)
+        aligned.copy_(scales)
+        scales = aligned
+    rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
     return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None)
 
 

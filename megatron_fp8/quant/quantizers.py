@@ -199,8 +199,8 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             if reduce:  # one all-reduce for every expert's amax
                 scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
         else:
-            scale = torch.stack([s.view(()) for s in scales])  # type: ignore[union-attr]
-            inv = torch.reciprocal(scale)
+            scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
+            inv = kernels.aligned_copy(torch.reciprocal(scale))
         assert scale is not None and inv is not None
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
         out = []

@@ -46,7 +46,16 @@ from .formats import fp8_max
 
 TILE = 128
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
-_F32_MAX = 3.4028234663852886e38
+STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
+SCALE_STRIDE = tl.constexpr(STRIDE)
+
+
+def aligned_scalars(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` FP32 view whose elements sit 16 bytes apart (each ``t[i]`` is a valid scale
+    pointer for ``torch._scaled_mm``); a plain ``[1]`` tensor when ``n == 1``."""
+    if n == 1:
+        return torch.empty((1,), dtype=torch.float32, device=device)
+    return torch.empty((n, STRIDE), dtype=torch.float32, device=device)[:, 0]
 
 
 @triton.jit
@@ -123,8 +132,8 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
     tl.store(amax_ptr + e, amax)
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
-        tl.store(scale_ptr + e, s)
-        tl.store(inv_ptr + e, inv)
+        tl.store(scale_ptr + e * SCALE_STRIDE, s)
+        tl.store(inv_ptr + e * SCALE_STRIDE, inv)
 
 
 @triton.jit
@@ -133,8 +142,8 @@ def _scale_from_amax_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr,
     offs = tl.program_id(0) * B + tl.arange(0, B)
     amax = tl.load(amax_ptr + offs, mask=offs < n, other=0.0)
     s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
-    tl.store(scale_ptr + offs, s, mask=offs < n)
-    tl.store(inv_ptr + offs, inv, mask=offs < n)
+    tl.store(scale_ptr + offs * SCALE_STRIDE, s, mask=offs < n)
+    tl.store(inv_ptr + offs * SCALE_STRIDE, inv, mask=offs < n)
 
 
 @triton.jit
@@ -181,7 +190,7 @@ def _cast_tile_kernel(
             length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0)[:, None] - start
     if MODE == 2:
         if SEG:
-            s_all = tl.load(tensor_scale_ptr + eid, mask=offs_m < M, other=1.0)[:, None]
+            s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE, mask=offs_m < M, other=1.0)[:, None]
         else:
             s_all = tl.load(tensor_scale_ptr)
     elif MODE == 1:
@@ -333,8 +342,8 @@ def amax_and_scale(
     elif m:
         part.zero_()
     amax = torch.empty((n_seg,), dtype=torch.float32, device=x.device)
-    sc = torch.empty_like(amax) if scale else None
-    inv = torch.empty_like(amax) if scale else None
+    sc = aligned_scalars(n_seg, x.device) if scale else None
+    inv = aligned_scalars(n_seg, x.device) if scale else None
     _segment_scale_kernel[(n_seg,)](
         part, offsets if offsets is not None else part, m, s, amax, sc if sc is not None else amax,
         inv if inv is not None else amax, SEG=offsets is not None, SCALE=scale, FMAX=fp8_max(fp8_dtype),
@@ -347,8 +356,8 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int =
                     amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, 1/scale)`` of an FP32 amax tensor (any shape), one launch."""
     a = amax.contiguous().float()
-    sc, inv = torch.empty_like(a), torch.empty_like(a)
     n = a.numel()
+    sc, inv = aligned_scalars(n, a.device), aligned_scalars(n, a.device)
     _scale_from_amax_kernel[(triton.cdiv(max(n, 1), 256),)](
         a, sc, inv, n, FMAX=fp8_max(fp8_dtype), EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin),
         POW2=power_2_scale, B=256, num_warps=4,
