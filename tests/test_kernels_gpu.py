@@ -55,8 +55,10 @@ def test_tensor_amax_and_scale_bitwise(shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("splits", [[128, 0, 300, 5, 1000], [2048] * 8, [0, 0, 17]])
 def test_current_segments_equal_per_expert_reference(splits: list[int]) -> None:
-    x = torch.randn(sum(splits), 512, dtype=torch.bfloat16) * torch.linspace(0.1, 10, sum(splits)).unsqueeze(1)
+    x = (torch.randn(sum(splits), 512) * torch.linspace(0.1, 10, sum(splits)).unsqueeze(1)).to(torch.bfloat16)
     q = CurrentScalingQuantizer(E4)
+    assert q.quantize_segments(x.float().cuda(), splits, peers=[q] * len(splits), rowwise=True,
+                               columnwise=True) is None  # FP32 + columnwise: per expert (kernels._transpose_ok)
     fused = q.quantize_segments(x.cuda(), splits, peers=[q] * len(splits), rowwise=True, columnwise=True)
     assert fused is not None
     for part, g in zip(x.split(splits), fused):
@@ -82,3 +84,17 @@ def test_block_segments_equal_per_expert_reference(splits: list[int]) -> None:
             assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv)
     assert q.quantize_segments(x.cuda(), [100, sum(splits) - 100], peers=[q] * 2, rowwise=True,
                                columnwise=True) is None  # not multiples of 128: caller pads per expert
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(512, 1024), (300, 640)])
+def test_fused_casts_every_input_dtype(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Tensorwise and 1x128 casts (both copies) of fp32/bf16/fp16 inputs == the CPU reference
+    (FP32 with a columnwise copy runs the compiled reference, see kernels._transpose_ok)."""
+    x = (torch.randn(shape) * 5).to(dtype)
+    qs = [CurrentScalingQuantizer(E4)] + ([Block1DQuantizer(E4)] if shape[0] % 128 == 0 else [])
+    for q in qs:
+        g, c = q.quantize(x.cuda(), rowwise=True, columnwise=True), q.quantize(x, rowwise=True, columnwise=True)
+        for usage in ("rowwise", "columnwise"):
+            assert _bits_equal(g.operand(usage).data, c.operand(usage).data), (type(q).__name__, usage)
+            assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv), (type(q).__name__, usage)

@@ -140,7 +140,8 @@ def cast_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
         row, col = _triton().cast_tiles(x, dtype, "tensor", rowwise, columnwise, scale.float())
         return (row[0] if row else None), (col[0] if col else None)
 
-    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise, triton_ok=x.dim() == 2, triton_call=tri)
+    return _run(_tensorwise_ref, x, scale, dtype, rowwise, columnwise,
+                triton_ok=x.dim() == 2 and _transpose_ok(x, columnwise), triton_call=tri)
 
 
 # ---- per-tensor amax and scale ----------------------------------------------------------------
@@ -152,6 +153,13 @@ def _kernel_device(x: torch.Tensor) -> bool:
 
 def _fused(x: torch.Tensor) -> bool:
     return _kernel_device(x) and x.dim() == 2 and cast_backend() in ("auto", "triton") and _triton() is not None
+
+
+def _transpose_ok(x: torch.Tensor, columnwise: bool) -> bool:
+    """The Triton kernels' columnwise (transposed) FP8 copy came out wrong for FP32 inputs on
+    the H200 (torch 2.11's Triton; tests/test_kernels_gpu.py caught it, BF16/FP16 are bitwise):
+    FP32 inputs needing a columnwise copy take the compiled reference instead."""
+    return not (columnwise and x.dtype == torch.float32)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -182,9 +190,9 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, 
 
 
 # ---- segments (the experts of a grouped layer, rows back to back) ---------------------------
-def segments_fused(x: torch.Tensor) -> bool:
+def segments_fused(x: torch.Tensor, columnwise: bool) -> bool:
     """Whether one-launch casts of all segments run here (CUDA with Triton)."""
-    return _fused(x)
+    return _fused(x) and _transpose_ok(x, columnwise)
 
 
 def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -234,7 +242,7 @@ def cast_blocks_1d_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
                    pow2: bool, eps: float, name: str) -> Copies:
     """1x``block`` tiles: rowwise ``([M, K], [M, K/b])``, columnwise ``([K, M], [K, M/b])``."""
-    ok = block == 128 and pow2 and eps == 0.0
+    ok = block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
     return _run(_blocks_1d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
                 triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise),
                 check=lambda: check_1d(tuple(x.shape), rowwise, columnwise, block, name))
@@ -243,7 +251,7 @@ def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
 def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
                    pow2: bool, eps: float, name: str) -> Copies:
     """``block``x``block`` tiles; the columnwise copy is the rowwise one transposed."""
-    ok = block == 128 and pow2 and eps == 0.0
+    ok = block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
 
     def tri() -> Copies:
         row, col = _triton().cast_tiles(x, dtype, "128x128", True, columnwise)

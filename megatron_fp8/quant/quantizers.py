@@ -189,7 +189,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         scales: Sequence[torch.Tensor | None] | None = None,
     ) -> list[QuantizedTensor] | None:
         _check_2d(x, self.name)
-        if not (kernels.segments_fused(x) and self._peers_match(peers)) or not (rowwise or columnwise):
+        if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         offsets = None
@@ -335,7 +335,7 @@ class Block1DQuantizer(_DeepSeekBlockQuantizer):
         """One launch when every split is a multiple of 128 (no columnwise block spans two
         experts) and the fused kernel covers the options (power-of-two, no epsilon)."""
         _check_2d(x, self.name)
-        fused = (kernels.segments_fused(x) and self._peers_match(peers) and self.block == 128
+        fused = (kernels.segments_fused(x, columnwise) and self._peers_match(peers) and self.block == 128
                  and self.power_2_scale and self.amax_epsilon == 0.0 and x.shape[1] % 128 == 0)
         if not fused or any(m % 128 for m in splits) or not (rowwise or columnwise):
             return None

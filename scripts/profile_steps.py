@@ -1,0 +1,71 @@
+"""Where a step's time goes (GPU): host wall time per call vs device time, and the top device
+kernels, for single casts and grouped-layer forwards. Separates launch-bound from device-bound.
+
+    python scripts/profile_steps.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from benchlib import markdown_table
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_fp8 import fp8_autocast
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.quant import make_quantizer
+from megatron_fp8.recipe import PRESETS, TensorRole
+
+
+def _measure(fn, n: int = 20) -> tuple[float, float]:
+    """(host ms per call, device ms per call) over ``n`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / n
+
+
+def _top_kernels(fn, k: int = 6) -> str:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=k, max_name_column_width=60)
+
+
+def main() -> None:
+    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+    cases = {}
+    for rname in ("current", "blockwise", "delayed"):
+        q = make_quantizer(PRESETS[rname], TensorRole.INPUT)
+        cases[f"{rname} x quantize r"] = lambda q=q: q.quantize(x, rowwise=True, columnwise=False)
+        cases[f"{rname} x quantize rc"] = lambda q=q: q.quantize(x, rowwise=True, columnwise=True)
+    splits = [2048] * 8
+    for rname in ("current", "blockwise", "delayed"):
+        layer = GroupedLinear(8, 4096, 2048, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+        def fwd(layer=layer, r=PRESETS[rname]) -> None:
+            with torch.no_grad(), fp8_autocast(fp8_recipe=r):
+                layer(x, splits)
+
+        cases[f"{rname} grouped fwd"] = fwd
+    rows = []
+    for name, fn in cases.items():
+        host, dev = _measure(fn)
+        rows.append([name, host, dev])
+        print(rows[-1], flush=True)
+    print(markdown_table(["case", "host ms/call", "device ms/call"], rows))
+    for name in ("current x quantize r", "blockwise x quantize r", "current grouped fwd", "delayed grouped fwd"):
+        print(f"## {name}\n{_top_kernels(cases[name])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
