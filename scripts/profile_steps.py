@@ -12,7 +12,7 @@ import torch
 from benchlib import markdown_table
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_fp8 import fp8_autocast
+from megatron_fp8 import Linear, fp8_autocast
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.recipe import PRESETS, TensorRole
@@ -33,12 +33,12 @@ def _measure(fn, n: int = 20) -> tuple[float, float]:
     return host, start.elapsed_time(end) / n
 
 
-def _top_kernels(fn, k: int = 6) -> str:
+def _top_kernels(fn, k: int = 9) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=k, max_name_column_width=60)
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=k, max_name_column_width=50)
 
 
 def main() -> None:
@@ -57,13 +57,28 @@ def main() -> None:
                 layer(x, splits)
 
         cases[f"{rname} grouped fwd"] = fwd
+    m, n, k = 16384, 7168, 2048  # the Linear shape where casts weigh most (K small)
+    xl = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    for rname in ("current", "blockwise"):
+        for flag in (False, True):
+            lin = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+
+            def step(lin=lin, r=PRESETS[rname]) -> None:
+                xl.grad = lin.weight.grad = None
+                with fp8_autocast(fp8_recipe=r):
+                    y = lin(xl)
+                y.backward(dy)
+
+            cases[f"{rname} Linear {m}x{n}x{k} flag={'on' if flag else 'off'}"] = step
     rows = []
     for name, fn in cases.items():
         host, dev = _measure(fn)
         rows.append([name, host, dev])
         print(rows[-1], flush=True)
     print(markdown_table(["case", "host ms/call", "device ms/call"], rows))
-    for name in ("current x quantize r", "blockwise x quantize r", "current grouped fwd", "delayed grouped fwd"):
+    for name in ("current Linear 16384x7168x2048 flag=off", "current Linear 16384x7168x2048 flag=on",
+                 "blockwise Linear 16384x7168x2048 flag=off", "current grouped fwd"):
         print(f"## {name}\n{_top_kernels(cases[name])}", flush=True)
 
 
