@@ -93,6 +93,26 @@ class Quantizer(abc.ABC):
         here (the caller then casts segment by segment)."""
         return None
 
+    def _segment_tensors(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+        cols: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+        scales: Sequence[torch.Tensor] | None = None,
+    ) -> list[QuantizedTensor]:
+        """One QuantizedTensor per segment from per-segment ``(data, scale_inv)`` copies."""
+        out = []
+        for i, m in enumerate(splits):
+            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype,
+                                 scale=scales[i] if scales is not None else None)
+            if rows is not None:
+                qt.rowwise = Operand(*rows[i], self.layout)
+            if cols is not None:
+                qt.columnwise = Operand(*cols[i], self.layout)
+            out.append(qt)
+        return out
+
     def _config(self) -> tuple[Any, ...]:
         """What makes two stateless quantizers cast identically."""
         return (type(self), self.fp8_dtype)
@@ -203,15 +223,9 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             inv = kernels.aligned_copy(torch.reciprocal(scale))
         assert scale is not None and inv is not None
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
-        out = []
-        for i, m in enumerate(splits):
-            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype, scale=scale[i])
-            if rows is not None:
-                qt.rowwise = Operand(rows[i], inv[i], self.layout)
-            if cols is not None:
-                qt.columnwise = Operand(cols[i], inv[i], self.layout)
-            out.append(qt)
-        return out
+        with_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
+        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
+        return self._segment_tensors(x, splits, with_inv, col_inv, [scale[i] for i in range(len(splits))])
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):
@@ -340,15 +354,7 @@ class Block1DQuantizer(_DeepSeekBlockQuantizer):
         if not fused or any(m % 128 for m in splits) or not (rowwise or columnwise):
             return None
         rows, cols = kernels.cast_blocks_1d_segments(x, splits, self.fp8_dtype, rowwise, columnwise)
-        out = []
-        for i, m in enumerate(splits):
-            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype)
-            if rows is not None:
-                qt.rowwise = Operand(*rows[i], self.layout)
-            if cols is not None:
-                qt.columnwise = Operand(*cols[i], self.layout)
-            out.append(qt)
-        return out
+        return self._segment_tensors(x, splits, rows, cols)
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
         return kernels.cast_blocks_1d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,
