@@ -225,9 +225,7 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
     ``[m_e, K]`` and the columnwise ``[K, m_e]`` data (each contiguous)."""
     off = offsets if offsets is not None else _offsets(splits, x.device)
     if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
-        aligned = _triton().aligned_scalars(len(splits), x.device)
-        aligned.copy_(scales)
-        scales = aligned
+        scales = aligned_copy(scales)
     rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
     return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None)
 
