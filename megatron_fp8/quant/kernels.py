@@ -151,8 +151,13 @@ def _kernel_device(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _triton_here(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve ``t``: on their device, allowed by the backend, importable."""
+    return _kernel_device(t) and cast_backend() in ("auto", "triton") and _triton() is not None
+
+
 def _fused(x: torch.Tensor) -> bool:
-    return _kernel_device(x) and x.dim() == 2 and cast_backend() in ("auto", "triton") and _triton() is not None
+    return x.dim() == 2 and _triton_here(x)
 
 
 def _transpose_ok(x: torch.Tensor, columnwise: bool) -> bool:
@@ -160,6 +165,11 @@ def _transpose_ok(x: torch.Tensor, columnwise: bool) -> bool:
     the H200 (torch 2.11's Triton; tests/test_kernels_gpu.py caught it, BF16/FP16 are bitwise):
     FP32 inputs needing a columnwise copy take the compiled reference instead."""
     return not (columnwise and x.dtype == torch.float32)
+
+
+def _block_kernel_ok(x: torch.Tensor, columnwise: bool, block: int, pow2: bool, eps: float) -> bool:
+    """Options the Triton block kernels compute: 128-blocks, power-of-two scales, no epsilon."""
+    return block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +192,7 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, 
                     amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(reference.amax_to_scale(amax), its reciprocal)``; one launch on CUDA."""
     kw: dict[str, Any] = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
-    if _kernel_device(amax) and cast_backend() in ("auto", "triton") and _triton() is not None:
+    if _triton_here(amax):
         s, inv = _triton().scale_from_amax(amax, dtype, **kw)
         return s.view(amax.shape), inv.view(amax.shape)
     s = ref.amax_to_scale(amax, dtype, **kw)
@@ -231,8 +241,15 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
 
 
 def cast_blocks_1d_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
-                            columnwise: bool) -> tuple[list[Pair] | None, list[Pair] | None]:
-    """1x128 casts of every segment in one launch (every split a multiple of 128)."""
+                            columnwise: bool, block: int, pow2: bool, eps: float
+                            ) -> tuple[list[Pair] | None, list[Pair] | None] | None:
+    """1x128 casts of every segment in one launch, or None where that launch does not apply
+    (not on the kernels' device, options they lack, a split or K not a multiple of 128: a
+    columnwise block would span two experts)."""
+    if not (segments_fused(x, columnwise) and _block_kernel_ok(x, columnwise, block, pow2, eps)):
+        return None
+    if x.shape[1] % 128 or any(m % 128 for m in splits):
+        return None
     return _triton().cast_segments(x, _offsets(splits, x.device), list(splits), dtype, "1x128", rowwise,
                                    columnwise)
 
@@ -240,7 +257,7 @@ def cast_blocks_1d_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
                    pow2: bool, eps: float, name: str) -> Copies:
     """1x``block`` tiles: rowwise ``([M, K], [M, K/b])``, columnwise ``([K, M], [K, M/b])``."""
-    ok = block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
+    ok = _block_kernel_ok(x, columnwise, block, pow2, eps)
     return _run(_blocks_1d_ref, x, dtype, rowwise, columnwise, block, pow2, eps, name, triton_ok=ok,
                 triton_call=lambda: _triton().cast_tiles(x, dtype, "1x128", rowwise, columnwise),
                 check=lambda: check_1d(tuple(x.shape), rowwise, columnwise, block, name))
@@ -249,7 +266,7 @@ def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwis
 def cast_blocks_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
                    pow2: bool, eps: float, name: str) -> Copies:
     """``block``x``block`` tiles; the columnwise copy is the rowwise one transposed."""
-    ok = block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
+    ok = _block_kernel_ok(x, columnwise, block, pow2, eps)
 
     def tri() -> Copies:
         row, col = _triton().cast_tiles(x, dtype, "128x128", True, columnwise)

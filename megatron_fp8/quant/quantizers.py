@@ -223,9 +223,9 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             inv = kernels.aligned_copy(torch.reciprocal(scale))
         assert scale is not None and inv is not None
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
-        with_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
+        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
         col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
-        return self._segment_tensors(x, splits, with_inv, col_inv, [scale[i] for i in range(len(splits))])
+        return self._segment_tensors(x, splits, row_inv, col_inv, [scale[i] for i in range(len(splits))])
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):
@@ -349,12 +349,11 @@ class Block1DQuantizer(_DeepSeekBlockQuantizer):
         """One launch when every split is a multiple of 128 (no columnwise block spans two
         experts) and the fused kernel covers the options (power-of-two, no epsilon)."""
         _check_2d(x, self.name)
-        fused = (kernels.segments_fused(x, columnwise) and self._peers_match(peers) and self.block == 128
-                 and self.power_2_scale and self.amax_epsilon == 0.0 and x.shape[1] % 128 == 0)
-        if not fused or any(m % 128 for m in splits) or not (rowwise or columnwise):
+        if not self._peers_match(peers) or not (rowwise or columnwise):
             return None
-        rows, cols = kernels.cast_blocks_1d_segments(x, splits, self.fp8_dtype, rowwise, columnwise)
-        return self._segment_tensors(x, splits, rows, cols)
+        copies = kernels.cast_blocks_1d_segments(x, splits, self.fp8_dtype, rowwise, columnwise, self.block,
+                                                 self.power_2_scale, self.amax_epsilon)
+        return self._segment_tensors(x, splits, *copies) if copies is not None else None
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
         return kernels.cast_blocks_1d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,
