@@ -285,7 +285,8 @@ def cast_segments(
 
 
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
-            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int):
+            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
     m, k = x.shape
     n_mb, n_kb = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
