@@ -20,6 +20,7 @@ for what in "${steps[@]}"; do
     linear) python3 scripts/bench_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
     grouped) python3 scripts/bench_grouped.py --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
     casts) python3 scripts/profile_casts.py 2>&1 | tee "$OUT/profile_casts.log" ;;
+    steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -33,12 +33,12 @@ def _measure(fn, n: int = 20) -> tuple[float, float]:
     return host, start.elapsed_time(end) / n
 
 
-def _top_kernels(fn, k: int = 9) -> str:
+def _top_kernels(fn, k: int = 12, sort_by: str = "self_cuda_time_total") -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=k, max_name_column_width=50)
+    return prof.key_averages().table(sort_by=sort_by, row_limit=k, max_name_column_width=60)
 
 
 def main() -> None:
@@ -57,29 +57,47 @@ def main() -> None:
                 layer(x, splits)
 
         cases[f"{rname} grouped fwd"] = fwd
-    m, n, k = 16384, 7168, 2048  # the Linear shape where casts weigh most (K small)
-    xl = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-    for rname in ("current", "blockwise"):
-        for flag in (False, True):
-            lin = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+        xg = x.detach().clone().requires_grad_(True)
+        dyg = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16) * 1e-3
 
-            def step(lin=lin, r=PRESETS[rname]) -> None:
-                xl.grad = lin.weight.grad = None
-                with fp8_autocast(fp8_recipe=r):
-                    y = lin(xl)
-                y.backward(dy)
+        def fwd_bwd(layer=layer, r=PRESETS[rname], xg=xg, dyg=dyg) -> None:
+            xg.grad = None
+            for p in layer.parameters():
+                p.grad = None
+            with fp8_autocast(fp8_recipe=r):
+                y = layer(xg, splits)
+            y.backward(dyg)
 
-            cases[f"{rname} Linear {m}x{n}x{k} flag={'on' if flag else 'off'}"] = step
+        cases[f"{rname} grouped fwd+bwd"] = fwd_bwd
+    # the Linear shapes that missed their targets: K small (casts weigh most), K large (flag cost)
+    for m, n, k in ((16384, 7168, 2048), (16384, 4096, 14336)):
+        xl = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+        for rname in ("current", "blockwise"):
+            for flag in (False, True):
+                lin = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                             save_original_input=flag)
+
+                def step(lin=lin, r=PRESETS[rname], xl=xl, dy=dy) -> None:
+                    xl.grad = lin.weight.grad = None
+                    with fp8_autocast(fp8_recipe=r):
+                        y = lin(xl)
+                    y.backward(dy)
+
+                cases[f"{rname} Linear {m}x{n}x{k} flag={'on' if flag else 'off'}"] = step
     rows = []
     for name, fn in cases.items():
         host, dev = _measure(fn)
         rows.append([name, host, dev])
         print(rows[-1], flush=True)
     print(markdown_table(["case", "host ms/call", "device ms/call"], rows))
-    for name in ("current Linear 16384x7168x2048 flag=off", "current Linear 16384x7168x2048 flag=on",
-                 "blockwise Linear 16384x7168x2048 flag=off", "current grouped fwd"):
+    for name in ("current Linear 16384x7168x2048 flag=off", "blockwise Linear 16384x7168x2048 flag=off",
+                 "current Linear 16384x4096x14336 flag=off", "current Linear 16384x4096x14336 flag=on",
+                 "blockwise Linear 16384x7168x2048 flag=on", "current grouped fwd+bwd",
+                 "blockwise grouped fwd+bwd"):
         print(f"## {name}\n{_top_kernels(cases[name])}", flush=True)
+    for name in ("current grouped fwd+bwd", "blockwise grouped fwd+bwd"):
+        print(f"## {name} (host)\n{_top_kernels(cases[name], 25, 'self_cpu_time_total')}", flush=True)
 
 
 if __name__ == "__main__":
