@@ -21,6 +21,7 @@ for what in "${steps[@]}"; do
     grouped) python3 scripts/bench_grouped.py --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
     casts) python3 scripts/profile_casts.py 2>&1 | tee "$OUT/profile_casts.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
+    probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
     *) echo "unknown step $what" ;;
   esac
 done
