@@ -6,6 +6,9 @@ kernels, for single casts and grouped-layer forwards. Separates launch-bound fro
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -39,6 +42,35 @@ def _top_kernels(fn, k: int = 12, sort_by: str = "self_cuda_time_total") -> str:
             fn()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by=sort_by, row_limit=k, max_name_column_width=60)
+
+
+def _host_profile(fn, k: int = 25) -> str:
+    """Python functions by own time over 10 calls (where the host's milliseconds go)."""
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(10):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(k)
+    return buf.getvalue()
+
+
+def _syncs(fn) -> str:
+    """Host-device synchronisations one call makes (torch's sync debug mode)."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return "; ".join(str(w.message).splitlines()[0] for w in caught) or "none"
 
 
 def main() -> None:
@@ -98,6 +130,10 @@ def main() -> None:
         print(f"## {name}\n{_top_kernels(cases[name])}", flush=True)
     for name in ("current grouped fwd+bwd", "blockwise grouped fwd+bwd"):
         print(f"## {name} (host)\n{_top_kernels(cases[name], 25, 'self_cpu_time_total')}", flush=True)
+    for name in ("current grouped fwd+bwd", "current Linear 16384x7168x2048 flag=off"):
+        print(f"## {name} (Python, cProfile)\n{_host_profile(cases[name])}", flush=True)
+    for name, fn in cases.items():
+        print(f"syncs in {name}: {_syncs(fn)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -275,3 +275,16 @@ def test_tensor_m_splits_and_feature_mismatch() -> None:
         layer(torch.randn(12, 100), [4, 8])
     with pytest.raises(ValueError, match="at least one expert"):
         GroupedLinear(0, K, N)
+
+
+def test_expert_weights_packed_in_one_buffer() -> None:
+    """The experts' weights are views of one buffer (one cast launch, no stacking copy); after
+    ``.to()`` re-allocates them the stacked tensor is a copy with the same values."""
+    layer = GroupedLinear(3, K, N, bias=False, params_dtype=torch.bfloat16)
+    stacked = layer._stacked_weights()
+    assert stacked.data_ptr() == layer.weight0.data_ptr() and stacked.shape == (3 * N, K)
+    assert all(isinstance(w, torch.nn.Parameter) for w in layer.weights)
+    assert torch.equal(stacked, torch.cat(list(layer.weights)))
+    moved = layer.to(torch.float32)
+    copy = moved._stacked_weights()
+    assert copy.data_ptr() != moved.weight0.data_ptr() and torch.equal(copy, torch.cat(list(moved.weights)))

@@ -1,7 +1,8 @@
 """GroupedLinear on the GPU (skip without CUDA; run on the device machine).
 
 Bitwise on CUDA, per recipe: GroupedLinear vs separate Linears (same native GEMM per expert,
-same fused casts) and save_original_input on == off, for splits with an empty expert. Close:
+same fused casts) and save_original_input on == off (with the experts' weights stacked by a
+copy, and packed in one buffer), for splits with an empty expert. Close:
 the CUDA result vs the CPU emulation (accumulation order; cast bits are identical by contract).
 """
 
@@ -21,9 +22,14 @@ K, N = 512, 768
 SPLITS = [256, 0, 384, 128]  # multiples of 128: every expert has a plain-Linear twin
 
 
-def _layer(flag: bool, device: str) -> GroupedLinear:
+def _layer(flag: bool, device: str, packed: bool = False) -> GroupedLinear:
+    """``.to(device)`` leaves the experts' weights in separate buffers (their one-launch cast
+    stacks them first); ``packed`` moves them back into one (cast in place)."""
     torch.manual_seed(0)
-    return GroupedLinear(len(SPLITS), K, N, params_dtype=torch.bfloat16, save_original_input=flag).to(device)
+    layer = GroupedLinear(len(SPLITS), K, N, params_dtype=torch.bfloat16, save_original_input=flag).to(device)
+    if packed:
+        layer.pack_weights()
+    return layer
 
 
 def _step(layer: GroupedLinear, recipe, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
@@ -41,7 +47,7 @@ def test_grouped_equals_linears_and_flag_on_cuda(name: str) -> None:
     dy = torch.randn(sum(SPLITS), N, device="cuda", dtype=torch.bfloat16)
     with core.record_gemms() as calls:
         off = _step(_layer(False, "cuda"), recipe, x, dy)
-    on = _step(_layer(True, "cuda"), recipe, x, dy)
+    on = _step(_layer(True, "cuda", packed=True), recipe, x, dy)
     for a, b in zip(off, on):
         assert torch.equal(a, b)
     assert len([c for c in calls if c.name.startswith("fprop")]) == len(SPLITS)

@@ -8,7 +8,7 @@ import torch
 
 from megatron_fp8.quant import kernels
 from megatron_fp8.quant import reference as ref
-from megatron_fp8.quant.quantizers import Block1DQuantizer, CurrentScalingQuantizer
+from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -84,6 +84,20 @@ def test_block_segments_equal_per_expert_reference(splits: list[int]) -> None:
             assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv)
     assert q.quantize_segments(x.cuda(), [100, sum(splits) - 100], peers=[q] * 2, rowwise=True,
                                columnwise=True) is None  # not multiples of 128: caller pads per expert
+
+
+def test_weight_block_segments_equal_per_expert_reference() -> None:
+    """Stacked experts' weights cast in 128x128 blocks in one launch == each weight's own cast."""
+    w = torch.randn(4 * 256, 384, dtype=torch.bfloat16) * torch.linspace(0.01, 50, 4 * 256).unsqueeze(1).bfloat16()
+    q = Block2DQuantizer(E4)
+    fused = q.quantize_segments(w.cuda(), [256] * 4, peers=[q] * 4, rowwise=True, columnwise=True)
+    assert fused is not None
+    for part, g in zip(w.split(256), fused):
+        c = q.quantize(part, rowwise=True, columnwise=True)
+        for usage in ("rowwise", "columnwise"):
+            assert _bits_equal(g.operand(usage).data, c.operand(usage).data)
+            assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv)
+            assert g.operand(usage).data.is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

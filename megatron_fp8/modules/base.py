@@ -73,6 +73,12 @@ class FP8Module(nn.Module):
             return self._w_cache[key]
         with torch.no_grad():
             w_q = q.weight.quantize(getattr(self, key), rowwise=True, columnwise=True)
+        return self.remember_fp8_weight(key, w_q, is_first_microbatch)
+
+    def remember_fp8_weight(self, key: str, w_q: QuantizedTensor, is_first_microbatch: bool | None
+                            ) -> QuantizedTensor:
+        """Mark a fresh cast of weight ``key`` as parameter-derived and cache it unless
+        ``is_first_microbatch`` is None (no micro-batch reuse)."""
         mark_param_derived(w_q)
         if is_first_microbatch is None:
             self._w_cache.pop(key, None)

@@ -36,6 +36,53 @@ class ExpertParams:
     def biases(self) -> list[torch.Tensor] | None:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
+    def pack_weights(self) -> None:
+        """Move ``weight0..`` into one ``[num_gemms, N, K]`` buffer (each Parameter a view of
+        it, same objects and attributes): the experts' weights can then be cast in one launch
+        with no copy. Called at construction; ``.to()`` / DDP re-allocation undo it, which
+        only costs a stacking copy per cast."""
+        ws = self.weights
+        with torch.no_grad():
+            buf = torch.stack(ws)
+            for i, w in enumerate(ws):
+                w.data = buf[i]
+
+    def _stacked_weights(self) -> torch.Tensor:
+        """All experts' weights as one ``[num_gemms * N, K]`` tensor: a view when they lie back
+        to back in one buffer (``pack_weights``), else a copy."""
+        ws = self.weights
+        w0 = ws[0]
+        step = w0.numel()
+        adjacent = all(
+            w.is_contiguous() and w.dtype == w0.dtype and w.shape == w0.shape
+            and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+            and w.storage_offset() == w0.storage_offset() + i * step
+            for i, w in enumerate(ws)
+        )
+        if adjacent:
+            return w0.detach().as_strided((len(ws) * w0.shape[0], w0.shape[1]), (w0.shape[1], 1))
+        return torch.cat([w.detach() for w in ws])
+
+    def _fp8_weights(self, qs: list[LinearQuantizers], is_first_microbatch: bool | None) -> list[QuantizedTensor]:
+        """Every expert's FP8 weight: cached, or cast in one launch where the recipe's quantizer
+        can (current scaling, 128x128 blocks on CUDA), else expert by expert."""
+        keys = [f"weight{i}" for i in range(self.num_gemms)]
+        cache: dict[str, QuantizedTensor] = self._w_cache  # type: ignore[attr-defined]
+        if is_first_microbatch is False and all(k in cache for k in keys):
+            return [cache[k] for k in keys]
+        q0 = qs[0].weight
+        fused = None
+        if self.num_gemms > 1 and q0.casts_segments(self.weights[0]):
+            with torch.no_grad():
+                fused = q0.quantize_segments(self._stacked_weights(), [self.weights[0].shape[0]] * self.num_gemms,
+                                             peers=[q.weight for q in qs], rowwise=True, columnwise=True)
+        if fused is None:
+            return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]
+                    for k, q in zip(keys, qs)]
+        for k, w_q in zip(keys, fused):
+            self.remember_fp8_weight(k, w_q, is_first_microbatch)  # type: ignore[attr-defined]
+        return fused
+
     def fp8_operands(
         self, is_first_microbatch: bool | None
     ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
@@ -45,9 +92,7 @@ class ExpertParams:
             return None, None
         for q in qs:
             self._prepare_quantizers(q)
-        w_fp8 = [self.fp8_weight(f"weight{i}", q, is_first_microbatch)  # type: ignore[attr-defined]
-                 for i, q in enumerate(qs)]
-        return qs, w_fp8
+        return qs, self._fp8_weights(qs, is_first_microbatch)  # type: ignore[arg-type]
 
     def _prepare_quantizers(self, q: LinearQuantizers) -> None:
         """Hook for parallel subclasses (amax groups, the emulation warning); nothing on one device."""
@@ -97,6 +142,7 @@ class GroupedLinear(ExpertParams, FP8Module):
             b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"bias{i}", b)
         self.use_bias = bias
+        self.pack_weights()
         self.save_original_input = save_original_input
         self.skip_bias_add = skip_bias_add
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation

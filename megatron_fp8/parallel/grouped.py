@@ -78,6 +78,7 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
             if b is not None and self.partition_dim == 0:
                 set_tp_attributes(b, True, 0, 1)
             self.register_parameter(f"bias{i}", b)
+        self.pack_weights()
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states)
 
     def _local_shape(self) -> tuple[int, int]:

@@ -240,18 +240,18 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
     return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None)
 
 
-def cast_blocks_1d_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
-                            columnwise: bool, block: int, pow2: bool, eps: float
-                            ) -> tuple[list[Pair] | None, list[Pair] | None] | None:
-    """1x128 casts of every segment in one launch, or None where that launch does not apply
-    (not on the kernels' device, options they lack, a split or K not a multiple of 128: a
-    columnwise block would span two experts)."""
+def cast_blocks_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
+                         columnwise: bool, block: int, pow2: bool, eps: float, mode: str
+                         ) -> tuple[list[Pair] | None, list[Pair] | None] | None:
+    """Block casts (``mode`` ``"1x128"``: experts' tokens; ``"128x128"``: experts' weights
+    stacked) of every segment in one launch, or None where that launch does not apply (not on
+    the kernels' device, options they lack, a split or K not a multiple of 128: a block would
+    span two experts)."""
     if not (segments_fused(x, columnwise) and _block_kernel_ok(x, columnwise, block, pow2, eps)):
         return None
     if x.shape[1] % 128 or any(m % 128 for m in splits):
         return None
-    return _triton().cast_segments(x, _offsets(splits, x.device), list(splits), dtype, "1x128", rowwise,
-                                   columnwise)
+    return _triton().cast_segments(x, _offsets(splits, x.device), list(splits), dtype, mode, rowwise, columnwise)
 
 
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,

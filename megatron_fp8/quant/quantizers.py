@@ -93,6 +93,11 @@ class Quantizer(abc.ABC):
         here (the caller then casts segment by segment)."""
         return None
 
+    def casts_segments(self, x: torch.Tensor) -> bool:
+        """Whether ``quantize_segments`` may cast segments of tensors like ``x`` in one launch
+        here (lets a caller skip stacking tensors for it)."""
+        return False
+
     def _segment_tensors(
         self,
         x: torch.Tensor,
@@ -197,6 +202,9 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
 
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.group)
+
+    def casts_segments(self, x: torch.Tensor) -> bool:
+        return kernels.segments_fused(x, columnwise=True)
 
     def quantize_segments(
         self,
@@ -327,14 +335,12 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
         super().__init__(fp8_dtype, name)
         self.power_2_scale, self.amax_epsilon, self.block = power_2_scale, amax_epsilon, block
 
-
-class Block1DQuantizer(_DeepSeekBlockQuantizer):
-    """1x128 tiles along the contraction dim (activations and gradients)."""
-
-    layout = ScaleLayout.BLOCK_1x128
-
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.block)
+
+    def casts_segments(self, x: torch.Tensor) -> bool:
+        return kernels.segments_fused(x, columnwise=True) and self.block == 128 and self.power_2_scale \
+            and not self.amax_epsilon
 
     def quantize_segments(
         self,
@@ -346,14 +352,22 @@ class Block1DQuantizer(_DeepSeekBlockQuantizer):
         columnwise: bool,
         scales: Sequence[torch.Tensor | None] | None = None,
     ) -> list[QuantizedTensor] | None:
-        """One launch when every split is a multiple of 128 (no columnwise block spans two
-        experts) and the fused kernel covers the options (power-of-two, no epsilon)."""
+        """One launch when every split and K are multiples of 128 (no block spans two
+        segments: experts' tokens, or for 128x128 the experts' weights stacked) and the fused
+        kernel covers the options (power-of-two, no epsilon)."""
         _check_2d(x, self.name)
         if not self._peers_match(peers) or not (rowwise or columnwise):
             return None
-        copies = kernels.cast_blocks_1d_segments(x, splits, self.fp8_dtype, rowwise, columnwise, self.block,
-                                                 self.power_2_scale, self.amax_epsilon)
+        mode = "1x128" if self.layout is ScaleLayout.BLOCK_1x128 else "128x128"
+        copies = kernels.cast_blocks_segments(x, splits, self.fp8_dtype, rowwise, columnwise, self.block,
+                                              self.power_2_scale, self.amax_epsilon, mode)
         return self._segment_tensors(x, splits, *copies) if copies is not None else None
+
+
+class Block1DQuantizer(_DeepSeekBlockQuantizer):
+    """1x128 tiles along the contraction dim (activations and gradients)."""
+
+    layout = ScaleLayout.BLOCK_1x128
 
     def _cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.Copies:
         return kernels.cast_blocks_1d(x, self.fp8_dtype, rowwise, columnwise, self.block, self.power_2_scale,

@@ -18,8 +18,11 @@ storage ``[K/128, M]`` viewed as ``[M, K/128]``), so the GEMM core copies nothin
 Segments (MoE experts): ``x`` holds ``E`` row groups back to back (``offsets [E+1]``). Then the
 per-tensor scale is per segment, and each segment's columnwise copy ``[K, m_e]`` (and its
 1x128 scales) is contiguous on its own, as a separate cast of that segment would give; one
-launch casts every expert. Segmented 1x128 casts need every offset to be a multiple of 128
-(a columnwise block never spans two experts).
+launch casts every expert. Segmented block casts need every offset to be a multiple of 128 (a
+block never spans two experts; 128x128 segments are the experts' weights stacked). When every
+offset is (``ALIGNED``), a tile lies in one segment and its segment, scale and destination are
+scalars; otherwise (tensor mode only) they are looked up per row, which costs store
+bandwidth.
 
 Per-tensor amax: ``_row_amax_kernel`` reduces ``|x|`` per row (and K slice) as integer bit
 patterns (for non-negative floats the integer order is the float order, and a NaN sorts above
@@ -168,7 +171,7 @@ def _cast_tile_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
     M, K, n_kb, n_mb, n_seg,
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
-    FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
+    ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
@@ -180,16 +183,18 @@ def _cast_tile_kernel(
     a = tl.abs(x)
     rows64 = offs_m.to(tl.int64)
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
-        eid = _segment_of(rows64, seg_ptr, n_seg)
-        if MODE == 0:  # 1x128 segments are multiples of 128: one segment per tile
-            eid0 = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
-            start = tl.load(seg_ptr + eid0)
-            length = tl.load(seg_ptr + eid0 + 1) - start
-        else:  # tensor mode: a tile may span segments, so per row (as [1, T] for the transposed store)
+        if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
+            eid = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
+            start = tl.load(seg_ptr + eid)
+            length = tl.load(seg_ptr + eid + 1) - start
+        else:  # tensor mode only: a tile may span segments, so per row ([1, T] for the transposed store)
+            eid = _segment_of(rows64, seg_ptr, n_seg)
             start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[None, :]
             length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0)[None, :] - start
     if MODE == 2:
-        if SEG:
+        if SEG and ALIGNED:
+            s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE)
+        elif SEG:
             s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE, mask=offs_m < M, other=1.0)[:, None]
         else:
             s_all = tl.load(tensor_scale_ptr)
@@ -260,32 +265,40 @@ def cast_segments(
 ) -> tuple[list[Copy] | None, list[Copy] | None]:
     """Cast each row segment of ``x`` (``splits``; ``offsets`` their device prefix sums) as a
     separate ``cast_tiles`` of it would: per segment ``(data, scale_inv)`` views. ``tensor``
-    mode: ``tensor_scale [E]`` per segment; ``1x128``: every split a multiple of 128."""
-    if mode == "128x128":
-        raise ValueError("cast_segments: 128x128 blocks span rows; cast per segment")
-    if mode == "1x128" and any(s % TILE for s in splits):
-        raise ValueError(f"cast_segments: 1x128 segments must be multiples of {TILE} rows, got {splits}")
+    mode: ``tensor_scale [E]`` per segment; ``1x128`` and ``128x128``: every split a multiple
+    of 128 (no block spans two segments; the experts' weights stacked, for ``128x128``)."""
+    aligned = all(s % TILE == 0 for s in splits)
+    if mode != "tensor" and not aligned:
+        raise ValueError(f"cast_segments: {mode} segments must be multiples of {TILE} rows, got {splits}")
     m, k = x.shape
+    rowwise_out = rowwise
+    rowwise = rowwise or mode == "128x128"  # the 2-D block scales come with the rowwise pass
     row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale,
-                                     offsets, len(splits))
+                                     offsets, len(splits), aligned)
     n_kb = triton.cdiv(k, TILE)
-    rows: list[Copy] | None = [] if rowwise else None
+    rows: list[Copy] | None = [] if rowwise_out else None
     cols: list[Copy] | None = [] if columnwise else None
     lo = 0
     for n in splits:
         hi = lo + n
+        if mode == "1x128":
+            r_s = row_s[lo * n_kb : hi * n_kb].view(n_kb, n).t() if row_s is not None else None
+            c_s = col_s[lo // TILE : hi // TILE].t() if col_s is not None else None
+        elif mode == "128x128":  # the columnwise copy's blocks are the rowwise ones transposed
+            r_s = row_s[lo // TILE : hi // TILE]
+            c_s = r_s.t().contiguous()
+        else:
+            r_s = c_s = None
         if rows is not None:
-            s = row_s[lo * n_kb : hi * n_kb].view(n_kb, n).t() if row_s is not None else None
-            rows.append((row[lo:hi], s))
+            rows.append((row[lo:hi], r_s))
         if cols is not None:
-            s = col_s[lo // TILE : hi // TILE].t() if col_s is not None else None
-            cols.append((col[lo * k : hi * k].view(k, n), s))
+            cols.append((col[lo * k : hi * k].view(k, n), c_s))
         lo = hi
     return rows, cols
 
 
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
-            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int
+            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
     m, k = x.shape
@@ -308,7 +321,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     _cast_tile_kernel[(n_mb, n_kb)](
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         m, k, n_kb, n_mb, n_seg,
-        MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None,
+        MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
         FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8,
     )
     return row, row_s, col, col_s
