@@ -42,6 +42,7 @@ def main() -> None:
     offs = torch.arange(1, g + 1, device=dev, dtype=torch.int32) * m_e
     sa = torch.rand(g, device=dev) + 0.5
     sb = torch.rand(g, device=dev) + 0.5
+    sa_l, sb_l = [s.clone() for s in sa], [s.clone() for s in sb]  # own allocations: aligned scale pointers
     # per-expert tensorwise scales folded onto a's rows (sa*sb), ones for b's columns
     row_scale = (sa * sb).repeat_interleave(m_e)
     ones = torch.ones(g, n, device=dev)
@@ -52,15 +53,15 @@ def main() -> None:
                                                                  out_dtype=torch.bfloat16))
         if out is None:
             continue
-        ref = torch.cat([torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa[i].clone(), scale_b=sb[i].clone(),
+        ref = torch.cat([torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa_l[i], scale_b=sb_l[i],
                                           out_dtype=torch.bfloat16) for i in range(g)])
         d = (out.float() - ref.float()).abs()
         print(f"     vs per-expert _scaled_mm: equal={torch.equal(out, ref)} max|d|={d.max().item():.3g} "
               f"frac differing={(d > 0).float().mean().item():.3g}")
         ms = median_ms(lambda a8=a8, b8=b8: torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), row_scale, ones,
                                                                      offs=offs, out_dtype=torch.bfloat16))
-        ms_ref = median_ms(lambda a8=a8, b8=b8: [torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa[i].clone(),
-                                                                  scale_b=sb[i].clone(), out_dtype=torch.bfloat16)
+        ms_ref = median_ms(lambda a8=a8, b8=b8: [torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa_l[i],
+                                                                  scale_b=sb_l[i], out_dtype=torch.bfloat16)
                                                 for i in range(g)])
         tf = 2 * g * m_e * k * n / 1e9
         print(f"     grouped {tf / ms:.0f} TFLOP/s, per-expert loop {tf / ms_ref:.0f} TFLOP/s")
@@ -72,8 +73,8 @@ def main() -> None:
                                                 offs=offs, out_dtype=torch.bfloat16))
     if out is not None:
         ref = torch.stack([torch._scaled_mm(dyT[:, i * m_e:(i + 1) * m_e].contiguous(),
-                                            xT[:, i * m_e:(i + 1) * m_e].contiguous().t(), scale_a=sa[i].clone(),
-                                            scale_b=sb[i].clone(), out_dtype=torch.bfloat16) for i in range(g)])
+                                            xT[:, i * m_e:(i + 1) * m_e].contiguous().t(), scale_a=sa_l[i],
+                                            scale_b=sb_l[i], out_dtype=torch.bfloat16) for i in range(g)])
         d = (out.float() - ref.float()).abs()
         print(f"     vs per-expert: equal={torch.equal(out, ref)} max|d|={d.max().item():.3g} "
               f"rel={(d.max() / ref.float().abs().max()).item():.3g}")
