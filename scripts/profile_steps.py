@@ -76,6 +76,21 @@ def _syncs(fn) -> str:
 def main() -> None:
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     cases = {}
+    # launch costs alone (tiny tensors: host-bound by construction)
+    from megatron_fp8.quant import triton_cast
+
+    tiny = torch.ones(4, device="cuda")
+    a16 = torch.ones(16, 16, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    cases["launch: one Triton kernel (scale_from_amax, 4 values)"] = lambda: triton_cast.scale_from_amax(
+        tiny, torch.float8_e4m3fn)
+    cases["launch: torch._scaled_mm 16x16x16"] = lambda: torch._scaled_mm(a16, a16.t(), one, one,
+                                                                          out_dtype=torch.bfloat16)
+    cases["launch: torch.empty x4"] = lambda: [torch.empty(1024, device="cuda") for _ in range(4)]
+    xs = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    for rname in ("current", "blockwise"):
+        q = make_quantizer(PRESETS[rname], TensorRole.INPUT)
+        cases[f"launch: {rname} quantize rc 256x256"] = lambda q=q: q.quantize(xs, rowwise=True, columnwise=True)
     for rname in ("current", "blockwise", "delayed"):
         q = make_quantizer(PRESETS[rname], TensorRole.INPUT)
         cases[f"{rname} x quantize r"] = lambda q=q: q.quantize(x, rowwise=True, columnwise=False)
