@@ -36,6 +36,7 @@ __all__ = [
     "GemmCall",
     "gemm",
     "grouped_gemm",
+    "grouped_gemm_cat",
     "select_backend",
     "native_supported",
     "force_backend",
@@ -267,6 +268,83 @@ def grouped_gemm(
         raise ValueError(f"{name}: {len(a)} a-operands but {len(b)} b-operands")
     return [gemm(ai, bi, out_dtype, name=f"{name}[{i}]", fast_accum=fast_accum)
             for i, (ai, bi) in enumerate(zip(a, b))]
+
+
+def _back_to_back(datas: Sequence[torch.Tensor]) -> bool:
+    """Whether contiguous tensors lie one after another in one storage (no gaps, in order)."""
+    d0 = datas[0]
+    ptr, offset = d0.untyped_storage().data_ptr(), d0.storage_offset()
+    for d in datas:
+        if not d.is_contiguous() or d.dtype != d0.dtype or d.untyped_storage().data_ptr() != ptr \
+                or d.storage_offset() != offset:
+            return False
+        offset += d.numel()
+    return True
+
+
+@functools.cache
+def _ones(g: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones((g, n), dtype=torch.float32, device=device)
+
+
+def _grouped_native(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
+                    name: str) -> torch.Tensor | None:
+    """``cat_i(a_i @ b_i.T)`` as one ``torch._scaled_grouped_mm`` (SM90, rowwise scaling), or
+    None where it does not apply: per-tensor E4M3 operands of every expert back to back in one
+    buffer each (the one-launch expert casts), dims multiples of 16, BF16 output. Each expert's
+    per-tensor scales become one row scale ``1/s_a * 1/s_b`` for its rows (and ones for the
+    columns). Accumulation order is that kernel's, not cuBLAS's: close to, not bitwise, the
+    per-expert GEMMs."""
+    a0, b0 = a[0], b[0]
+    dev = a0.data.device
+    if not (len(a) > 1 and dev.type == "cuda" and out_dtype == torch.bfloat16 and _grouped_ok(dev)
+            and a0.layout is L.TENSOR and b0.layout is L.TENSOR
+            and a0.data.dtype == b0.data.dtype == torch.float8_e4m3fn):
+        return None
+    (_, k), (n, _) = a0.shape, b0.shape
+    splits = [ai.shape[0] for ai in a]
+    if any(s % 16 for s in splits) or n % 16 or k % 16 or any(bi.shape != b0.shape for bi in b):
+        return None
+    if (_state.forced or _env_backend()) is Backend.EMULATE:
+        return None
+    if not (_back_to_back([ai.data for ai in a]) and _back_to_back([bi.data for bi in b])):
+        return None
+    from .quant.kernels import segment_offsets
+
+    m, g = sum(splits), len(a)
+    a_all = a0.data.as_strided((m, k), (k, 1))
+    b_all = b0.data.as_strided((g, n, k), (n * k, k, 1))
+    scale = torch.stack([ai.scale_inv.reshape(()) for ai in a]) * torch.stack([bi.scale_inv.reshape(()) for bi in b])
+    off = segment_offsets(splits, dev)
+    row_scale = torch.repeat_interleave(scale, off.diff(), output_size=m)
+    for calls in _state.records:
+        calls.append(GemmCall(f"{name}[grouped]", Backend.NATIVE, (a0.layout, b0.layout), (m, n, k)))
+    return torch._scaled_grouped_mm(a_all, b_all.transpose(-2, -1), row_scale, _ones(g, n, dev),
+                                    offs=off[1:].to(torch.int32), out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum)
+
+
+@functools.cache
+def _grouped_ok(device: torch.device) -> bool:
+    """torch has a rowwise FP8 grouped GEMM for this device (SM90)."""
+    return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def grouped_gemm_cat(
+    a: Sequence[Operand],
+    b: Sequence[Operand],
+    out_dtype: torch.dtype,
+    *,
+    name: str = "grouped_gemm",
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """``cat_i(a_i @ b_i.T)``, ``[sum m_i, n]``: one native grouped GEMM where it applies
+    (``_grouped_native``), else ``grouped_gemm`` and a concatenation."""
+    out = _grouped_native(a, b, out_dtype, fast_accum, name)
+    if out is not None:
+        return out
+    outs = grouped_gemm(a, b, out_dtype, name=name, fast_accum=fast_accum)
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def split_rows(op: Operand, splits: Sequence[int]) -> list[Operand]:

@@ -58,6 +58,13 @@ def main() -> None:
         d = (out.float() - ref.float()).abs()
         print(f"     vs per-expert _scaled_mm: equal={torch.equal(out, ref)} max|d|={d.max().item():.3g} "
               f"frac differing={(d > 0).float().mean().item():.3g}")
+        fast = torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), row_scale, ones, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+        ref_fast = torch.cat([torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa_l[i], scale_b=sb_l[i],
+                                               out_dtype=torch.bfloat16, use_fast_accum=True) for i in range(g)])
+        d = (fast.float() - ref_fast.float()).abs()
+        print(f"     use_fast_accum=True both: equal={torch.equal(fast, ref_fast)} max|d|={d.max().item():.3g} "
+              f"frac differing={(d > 0).float().mean().item():.3g}")
         ms = median_ms(lambda a8=a8, b8=b8: torch._scaled_grouped_mm(a8, b8.transpose(-2, -1), row_scale, ones,
                                                                      offs=offs, out_dtype=torch.bfloat16))
         ms_ref = median_ms(lambda a8=a8, b8=b8: [torch._scaled_mm(a8[i * m_e:(i + 1) * m_e], b8[i].t(), scale_a=sa_l[i],

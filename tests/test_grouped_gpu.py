@@ -1,7 +1,8 @@
 """GroupedLinear on the GPU (skip without CUDA; run on the device machine).
 
 Bitwise on CUDA, per recipe: GroupedLinear vs separate Linears (same native GEMM per expert,
-same fused casts) and save_original_input on == off (with the experts' weights stacked by a
+same fused casts; the forward output only close where one grouped GEMM replaced the
+per-expert ones) and save_original_input on == off (with the experts' weights stacked by a
 copy, and packed in one buffer), for splits with an empty expert. Close:
 the CUDA result vs the CPU emulation (accumulation order; cast bits are identical by contract).
 """
@@ -50,7 +51,11 @@ def test_grouped_equals_linears_and_flag_on_cuda(name: str) -> None:
     on = _step(_layer(True, "cuda", packed=True), recipe, x, dy)
     for a, b in zip(off, on):
         assert torch.equal(a, b)
-    assert len([c for c in calls if c.name.startswith("fprop")]) == len(SPLITS)
+    # current scaling (E4M3 x and w, one-launch expert casts): one torch._scaled_grouped_mm;
+    # other recipes: one cuBLAS GEMM per expert
+    grouped = [c for c in calls if c.name == "fprop[grouped]"]
+    assert len(grouped) == (1 if name == "current" else 0)
+    assert len([c for c in calls if c.name.startswith("fprop")]) == (1 if grouped else len(SPLITS))
     grouped = _layer(False, "cuda")
     for i, (xi, di) in enumerate(zip(x.split(SPLITS), dy.split(SPLITS))):
         ref = mf.Linear(K, N, params_dtype=torch.bfloat16).cuda()
@@ -59,7 +64,13 @@ def test_grouped_equals_linears_and_flag_on_cuda(name: str) -> None:
         with mf.fp8_autocast(fp8_recipe=recipe):
             yr = ref(xr)
         yr.backward(di)
-        assert torch.equal(off[0].split(SPLITS)[i], yr)
+        if grouped:  # another kernel's accumulation order: close, and said so when not bitwise
+            y_i = off[0].split(SPLITS)[i]
+            if not torch.equal(y_i, yr):
+                print(f"[grouped fprop {name}] expert {i}: max |diff| {(y_i.float() - yr.float()).abs().max():.3g}")
+            torch.testing.assert_close(y_i, yr, rtol=2**-7, atol=1e-3 * (yr.float().abs().max().item() or 1.0))
+        else:
+            assert torch.equal(off[0].split(SPLITS)[i], yr)
         assert torch.equal(off[1].split(SPLITS)[i], xr.grad)
         assert torch.equal(off[2 + i], ref.weight.grad)
 

@@ -112,3 +112,30 @@ def test_fused_casts_every_input_dtype(dtype: torch.dtype, shape: tuple[int, int
         for usage in ("rowwise", "columnwise"):
             assert _bits_equal(g.operand(usage).data, c.operand(usage).data), (type(q).__name__, usage)
             assert _bits_equal(g.operand(usage).scale_inv, c.operand(usage).scale_inv), (type(q).__name__, usage)
+
+
+def test_launcher_shortcut_keeps_specializations_apart() -> None:
+    """Casts launched through the kept-kernel shortcut (second launch on) == the CPU reference,
+    for inputs that Triton specializes differently: 16-byte aligned or not, K a multiple of 16
+    or not. The shortcut stays on (this Triton's launcher API matched)."""
+    from megatron_fp8.quant import triton_cast
+
+    q = CurrentScalingQuantizer(E4)
+    buf = torch.randn(300 * 640 + 1, dtype=torch.bfloat16) * 3
+    cases = [buf[: 300 * 640].view(300, 640), buf[1:].view(300, 640), buf[: 300 * 40].view(300, 40)]
+    for _ in range(2):
+        for x in cases:
+            g, c = q.quantize(x.cuda() if x.storage_offset() == 0 else _misaligned(x), rowwise=True,
+                              columnwise=True), q.quantize(x, rowwise=True, columnwise=True)
+            for usage in ("rowwise", "columnwise"):
+                assert _bits_equal(g.operand(usage).data, c.operand(usage).data)
+    assert triton_cast._CAST.fast and len(triton_cast._CAST.kernels) >= 2
+
+
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the GPU at an address that is not a multiple of 16 bytes."""
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+    out = flat[1:].view(x.shape)
+    out.copy_(x)
+    assert out.data_ptr() % 16
+    return out

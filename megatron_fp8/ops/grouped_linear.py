@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm import grouped_gemm, split_rows
+from ..gemm import grouped_gemm, grouped_gemm_cat, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
@@ -166,12 +166,12 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.has_bias = biases[0] is not None
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
         if args.quantizers is None:
-            ys = _forward_hp(ctx, x, weights)
+            y = _forward_hp(ctx, x, weights)
         else:
-            ys = _forward_fp8(ctx, x, args)
+            y = _forward_fp8(ctx, x, args)
         if ctx.has_bias:
-            ys = [y + b.to(y.dtype) for y, b in zip(ys, biases)]
-        return torch.cat(ys) if n > 1 else ys[0]
+            y = torch.cat([yi + b.to(yi.dtype) for yi, b in zip(y.split(list(args.m_splits)), biases)])
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -190,9 +190,10 @@ class _GroupedLinear(torch.autograd.Function):
         return dx, None, *dws, *dbs
 
 
-def _forward_hp(ctx: Any, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _forward_hp(ctx: Any, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     ctx.save_for_backward(x, *weights)
-    return [xi @ w.to(x.dtype).t() for xi, w in zip(x.split(list(ctx.args.m_splits)), weights)]
+    ys = [xi @ w.to(x.dtype).t() for xi, w in zip(x.split(list(ctx.args.m_splits)), weights)]
+    return torch.cat(ys) if len(ys) > 1 else ys[0]
 
 
 def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: bool,
@@ -205,7 +206,7 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
     return dx, dws
 
 
-def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> list[torch.Tensor]:
+def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save."""
     assert args.quantizers is not None and args.w_fp8 is not None
     soi = args.save_original_input
@@ -214,7 +215,7 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> list[torch.Ten
     x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
                                            columnwise=args.wgrad and not soi)
     w_rows = [w.operand("rowwise") for w in args.w_fp8]
-    ys = grouped_gemm(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
+    y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
     w_cols = [w.operand("columnwise") for w in args.w_fp8]
     ctx.layouts = (inputs[0].layout, w_cols[0].layout)
     if not args.wgrad:
@@ -224,7 +225,7 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> list[torch.Ten
     else:
         x_groups = [[]] + [[c.data, c.scale_inv] for c in x_cols]
     _save(ctx, [*x_groups, *([c.data, c.scale_inv] for c in w_cols)])
-    return ys
+    return y
 
 
 def _saved_x_columnwise(ctx: Any, x_groups: Sequence[tuple[torch.Tensor, ...]]) -> list[Operand]:
@@ -252,8 +253,7 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     dx = None
     if need_dx:
         w_cols = [Operand(d, s, ctx.layouts[1]) for d, s in w_groups]
-        dxs = grouped_gemm(dy_rows, w_cols, dy.dtype, name="dgrad")
-        dx = torch.cat(dxs) if n > 1 else dxs[0]
+        dx = grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad")
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, x_groups)

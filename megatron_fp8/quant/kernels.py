@@ -205,17 +205,35 @@ def segments_fused(x: torch.Tensor, columnwise: bool) -> bool:
     return _fused(x) and _transpose_ok(x, columnwise)
 
 
-def _offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Prefix sums of ``splits`` on ``device``, copied from pinned memory without a sync."""
-    off = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64, pin_memory=device.type == "cuda")
-    return off.to(device, non_blocking=True)
+_OFFSETS_KEPT = 16  # distinct split lists whose device offsets are kept (a step's layers share them)
+_offsets_cache: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Prefix sums ``[0, s0, s0+s1, ...]`` (int64) of ``splits`` on ``device``; read-only, shared.
+
+    Copied from pinned memory without a sync and kept for the last few split lists: the
+    experts' token counts of one step are cast several times (x in forward, dy in backward,
+    fc1 and fc2), and the weights' splits never change. A fresh pinned buffer per cast would
+    cost a host allocation each time (the GPU still holds the previous ones).
+    """
+    key = (tuple(splits), torch.device(device))
+    off = _offsets_cache.pop(key, None)
+    if off is None:
+        host = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64,
+                            pin_memory=key[1].type == "cuda")
+        off = host.to(key[1], non_blocking=True)
+        while len(_offsets_cache) >= _OFFSETS_KEPT:
+            _offsets_cache.pop(next(iter(_offsets_cache)))
+    _offsets_cache[key] = off  # most recent last
+    return off
 
 
 def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,
                        power_2_scale: bool = False, amax_epsilon: float = 0.0
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA)."""
-    off = _offsets(splits, x.device)
+    off = segment_offsets(splits, x.device)
     amax, s, inv = _triton().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
                                            power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     return amax, s, inv, off
@@ -233,7 +251,7 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
                              ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """Each segment cast with its scale (``scales [E]``), one launch: per segment the rowwise
     ``[m_e, K]`` and the columnwise ``[K, m_e]`` data (each contiguous)."""
-    off = offsets if offsets is not None else _offsets(splits, x.device)
+    off = offsets if offsets is not None else segment_offsets(splits, x.device)
     if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
         scales = aligned_copy(scales)
     rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
@@ -251,7 +269,7 @@ def cast_blocks_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dt
         return None
     if x.shape[1] % 128 or any(m % 128 for m in splits):
         return None
-    return _triton().cast_segments(x, _offsets(splits, x.device), list(splits), dtype, mode, rowwise, columnwise)
+    return _triton().cast_segments(x, segment_offsets(splits, x.device), list(splits), dtype, mode, rowwise, columnwise)
 
 
 def cast_blocks_1d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, block: int,
