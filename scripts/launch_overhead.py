@@ -1,0 +1,51 @@
+"""Host cost of one cast-kernel launch with and without the kept-kernel shortcut
+(``triton_cast._Launcher``), same process, same machine: prints a table (GPU).
+
+    python scripts/launch_overhead.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from benchlib import markdown_table
+
+from megatron_fp8.quant import triton_cast
+from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
+
+
+def _host_us(fn, n: int = 2000) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / n
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    tiny = torch.ones(4, device="cuda")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    q = CurrentScalingQuantizer(torch.float8_e4m3fn)
+    cases = {
+        "scale_from_amax (1 launch)": lambda: triton_cast.scale_from_amax(tiny, torch.float8_e4m3fn),
+        "current quantize rc 256x256 (3 launches)": lambda: q.quantize(x, rowwise=True, columnwise=True),
+        "torch.empty (reference)": lambda: torch.empty(1024, device="cuda"),
+    }
+    launchers = [triton_cast._CAST, triton_cast._ROW_AMAX, triton_cast._SEGMENT_SCALE, triton_cast._SCALE_FROM_AMAX]
+    rows = []
+    for name, fn in cases.items():
+        got = {}
+        for fast in (False, True):
+            for launcher in launchers:
+                launcher.fast = fast
+            got[fast] = _host_us(fn)
+        rows.append([name, got[False], got[True], got[False] - got[True]])
+    print(markdown_table(["call", "plain Triton launch us", "kept-kernel launch us", "saved us"], rows))
+
+
+if __name__ == "__main__":
+    main()
