@@ -293,8 +293,9 @@ def _grouped_native(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch
     None where it does not apply: per-tensor E4M3 operands of every expert back to back in one
     buffer each (the one-launch expert casts), dims multiples of 16, BF16 output. Each expert's
     per-tensor scales become one row scale ``1/s_a * 1/s_b`` for its rows (and ones for the
-    columns). Accumulation order is that kernel's, not cuBLAS's: close to, not bitwise, the
-    per-expert GEMMs."""
+    columns). A different kernel from the per-expert cuBLAS GEMMs: on the H200 (torch 2.11) its
+    outputs matched theirs bit for bit (tests/test_grouped_gpu.py, scripts/probe_grouped_mm.py),
+    which the two libraries do not promise; the CPU path is per expert and bitwise by design."""
     a0, b0 = a[0], b[0]
     dev = a0.data.device
     if not (len(a) > 1 and dev.type == "cuda" and out_dtype == torch.bfloat16 and _grouped_ok(dev)

@@ -1,8 +1,8 @@
 """GroupedLinear on the GPU (skip without CUDA; run on the device machine).
 
 Bitwise on CUDA, per recipe: GroupedLinear vs separate Linears (same native GEMM per expert,
-same fused casts; the forward output only close where one grouped GEMM replaced the
-per-expert ones) and save_original_input on == off (with the experts' weights stacked by a
+same fused casts; also where one grouped GEMM replaced the per-expert fprops: observed
+bitwise on the H200) and save_original_input on == off (with the experts' weights stacked by a
 copy, and packed in one buffer), for splits with an empty expert. Close:
 the CUDA result vs the CPU emulation (accumulation order; cast bits are identical by contract).
 """
@@ -64,13 +64,10 @@ def test_grouped_equals_linears_and_flag_on_cuda(name: str) -> None:
         with mf.fp8_autocast(fp8_recipe=recipe):
             yr = ref(xr)
         yr.backward(di)
-        if grouped_calls:  # another kernel (its accumulation order): close; the log says if bitwise
-            y_i = off[0].split(SPLITS)[i]
-            print(f"[grouped fprop {name}] expert {i} ({y_i.shape[0]} tokens): bitwise {torch.equal(y_i, yr)}")
-            scale = yr.float().abs().max().item() if yr.numel() else 1.0
-            torch.testing.assert_close(y_i, yr, rtol=2**-7, atol=1e-3 * scale)
-        else:
-            assert torch.equal(off[0].split(SPLITS)[i], yr)
+        # bitwise also where one torch._scaled_grouped_mm ran: it matched the per-expert cuBLAS
+        # GEMMs bit for bit on the H200 (observed, here and in scripts/probe_grouped_mm.py, for
+        # both accumulation modes; not a documented guarantee of the two kernels)
+        assert torch.equal(off[0].split(SPLITS)[i], yr)
         assert torch.equal(off[1].split(SPLITS)[i], xr.grad)
         assert torch.equal(off[2 + i], ref.weight.grad)
 
