@@ -139,3 +139,24 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
     out.copy_(x)
     assert out.data_ptr() % 16
     return out
+
+
+@pytest.mark.parametrize("pow2,eps", [(False, 0.0), (True, 0.0), (False, 1e-3)])
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(16384, 4096), (300, 640), (17, 40)])
+def test_current_cast_in_two_launches_bitwise(shape: tuple[int, int], dtype: torch.dtype, pow2: bool,
+                                              eps: float) -> None:
+    """Amax partials + a cast whose programs compute the scale == reference amax, scale,
+    reciprocal and cast (zeros and NaN included)."""
+    for fill in ("randn", "zeros", "nan"):
+        x = torch.zeros(shape, dtype=torch.bfloat16) if fill == "zeros" else (torch.randn(shape) * 5).bfloat16()
+        if fill == "nan":
+            x[shape[0] // 2, shape[1] // 3] = float("nan")
+        s_ref = ref.amax_to_scale(ref.tensor_amax(x), dtype, power_2_scale=pow2, amax_epsilon=eps)
+        out = kernels.cast_current(x.cuda(), dtype, True, True, power_2_scale=pow2, amax_epsilon=eps)
+        assert out is not None
+        row, col, s, inv = out
+        assert _bits_equal(s, s_ref) and _bits_equal(inv, torch.reciprocal(s_ref))
+        if fill != "nan":  # NaN payload bits aside, the data is the reference's
+            assert _bits_equal(row, ref.cast_to_fp8(x, s_ref, dtype))
+            assert _bits_equal(col, ref.cast_to_fp8(x, s_ref, dtype).t().contiguous())

@@ -4,7 +4,8 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 ``triton`` | ``compile`` | ``eager`` pins one):
 
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
-  Used for tensorwise casts (and their amax and scale: two launches), for power-of-two 1x128 /
+  Used for tensorwise casts (current scaling: amax partials, then a cast that computes the
+  scale, two launches; with a given scale, one), for power-of-two 1x128 /
   128x128 block casts without an amax epsilon (the defaults), and for the one-launch casts of
   all experts of a grouped layer (``*_segments``).
 * ``compile``: ``torch.compile`` of the reference functions below (block options the kernels
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -237,6 +239,62 @@ def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtyp
     amax, s, inv = _triton().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
                                            power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     return amax, s, inv, off
+
+
+CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
+
+
+def cast_current(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool,
+                 amax_epsilon: float) -> CurrentCast | None:
+    """Current scaling (amax, scale, cast) in two launches: ``(row, col, scale, 1/scale)``, or
+    None where that does not apply (off the kernels' device, FP32 with a columnwise copy, empty)."""
+    if not (_fused(x) and _transpose_ok(x, columnwise)) or x.numel() == 0 or not _fused_current.ok:
+        return None
+    out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
+                                                        amax_epsilon=amax_epsilon))
+    if out is None:
+        return None
+    row, col, s, inv = out
+    return row, col, s.view(()), inv.view(())
+
+
+class _FusedCurrentGuard:
+    """The fused current-scaling kernel (scale computed in the cast) is newer than the other
+    kernels: if this Triton fails to build it, warn once and keep the three-launch path (the
+    GPU tests call it directly and fail loudly)."""
+
+    ok = True
+
+    def __call__(self, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - a compiler error of any kind
+            self.ok = False
+            warnings.warn(f"megatron_fp8: fused current-scaling cast unavailable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); using amax, scale and cast launches",
+                          RuntimeWarning, stacklevel=3)
+            return None
+
+
+_fused_current = _FusedCurrentGuard()
+
+
+def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
+                          columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
+                          ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor,
+                                     torch.Tensor] | None:
+    """``cast_current`` of every segment in two launches (per-segment scales ``[E]``, 16 bytes
+    apart), or None where that does not apply (also: a split zero or not a multiple of 128)."""
+    if not segments_fused(x, columnwise) or any(m <= 0 or m % 128 for m in splits) or not _fused_current.ok:
+        return None
+    out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
+                                                        amax_epsilon=amax_epsilon, splits=list(splits),
+                                                        offsets=segment_offsets(splits, x.device)))
+    if out is None:
+        return None
+    rows, cols, s, inv = out
+    return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None), \
+        s, inv
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:

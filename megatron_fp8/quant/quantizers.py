@@ -153,6 +153,10 @@ class _PerTensorQuantizer(Quantizer):
     def _scale_for(self, x: torch.Tensor, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, 1 / scale)`` for casting ``x`` now."""
 
+    def _fused_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.CurrentCast | None:
+        """``(row, col, scale, 1/scale)`` when scale and cast run fused here, else None."""
+        return None
+
     def quantize(
         self,
         x: torch.Tensor,
@@ -163,11 +167,15 @@ class _PerTensorQuantizer(Quantizer):
         record_amax: bool = True,
     ) -> QuantizedTensor:
         _check_2d(x, self.name)
-        if scale is None:
-            scale, scale_inv = self._scale_for(x, record_amax)
+        fused = self._fused_cast(x, rowwise, columnwise) if scale is None else None
+        if fused is not None:
+            row, col, scale, scale_inv = fused
         else:
-            scale_inv = torch.reciprocal(scale)
-        row, col = kernels.cast_tensorwise(x, scale, self.fp8_dtype, rowwise, columnwise)
+            if scale is None:
+                scale, scale_inv = self._scale_for(x, record_amax)
+            else:
+                scale_inv = torch.reciprocal(scale)
+            row, col = kernels.cast_tensorwise(x, scale, self.fp8_dtype, rowwise, columnwise)
         qt = self._new(x, scale)
         if row is not None:
             qt.rowwise = Operand(row, scale_inv, self.layout)
@@ -200,6 +208,12 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         return kernels.scale_from_amax(amax, self.fp8_dtype, **kw)
 
 
+    def _fused_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.CurrentCast | None:
+        if _grouped(self.group):  # the amax is reduced over the group before the scale
+            return None
+        return kernels.cast_current(x, self.fp8_dtype, rowwise, columnwise, power_2_scale=self.power_2_scale,
+                                    amax_epsilon=self.amax_epsilon)
+
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.group)
 
@@ -221,7 +235,11 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         offsets = None
-        if scales is None:
+        fused = None if scales is not None or _grouped(self.group) else \
+            kernels.cast_current_segments(x, splits, self.fp8_dtype, rowwise, columnwise, **kw)
+        if fused is not None:  # amax, scale and cast of every segment in two launches
+            rows, cols, scale, inv = fused
+        elif scales is None:
             reduce = _grouped(self.group)
             amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce, **kw)
             if reduce:  # one all-reduce for every expert's amax
@@ -230,7 +248,9 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
             inv = kernels.aligned_copy(torch.reciprocal(scale))
         assert scale is not None and inv is not None
-        rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
+        if fused is None:
+            rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise,
+                                                          offsets)
         row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
         col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
         return self._segment_tensors(x, splits, row_inv, col_inv, [scale[i] for i in range(len(splits))])

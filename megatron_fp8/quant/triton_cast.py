@@ -31,6 +31,12 @@ segment and turns the amax into ``(scale, 1/scale)`` in FP64, exactly as
 ``reference.amax_to_scale`` and ``torch.reciprocal`` do (a correctly rounded FP64 result rounded
 to FP32 is the correctly rounded FP32 result for a division).
 
+Current scaling without a group reduction (``cast_current``) takes two launches: the amax
+kernel leaves one partial per program, and every cast program reduces its tensor's (or
+segment's) partials and computes the scale itself; the first program of each segment
+publishes scale and 1/scale. Launches, not bandwidth, bound the small casts (see
+``_Launcher``).
+
 The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
 come from the exponent and mantissa bits of the amax (no division), values are multiplied by
 the scale, clamped to +-FP8_MAX with NaN kept, and rounded to nearest-even by the FP8
@@ -104,8 +110,10 @@ def _tensor_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, MARGIN_DIV: tl.co
 
 
 @triton.jit
-def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.constexpr):
-    """``part[m, s]`` = max |x[m, k]| over K slice ``s``, as FP32 bit patterns."""
+def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.constexpr,
+                     PER_PROGRAM: tl.constexpr):
+    """``part[m, s]`` = max |x[m, k]| over K slice ``s``, as FP32 bit patterns; with
+    ``PER_PROGRAM`` one value per program, ``part[m // R, s]`` (over its R rows)."""
     pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     offs_m = pid_r * R + tl.arange(0, R)
     acc = tl.zeros([R, BK], dtype=tl.int32)
@@ -115,7 +123,10 @@ def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.co
         mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
         acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    tl.store(part_ptr + offs_m.to(tl.int64) * S + pid_s, tl.max(acc, axis=1), mask=offs_m < M)
+    if PER_PROGRAM:
+        tl.store(part_ptr + pid_r.to(tl.int64) * S + pid_s, tl.max(tl.max(acc, axis=1), axis=0))
+    else:
+        tl.store(part_ptr + offs_m.to(tl.int64) * S + pid_s, tl.max(acc, axis=1), mask=offs_m < M)
 
 
 @triton.jit
@@ -172,10 +183,11 @@ def _segment_of(rows, seg_ptr, n_seg):
 @triton.jit
 def _cast_tile_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
-    M, K, n_kb, n_mb, n_seg,
+    part_ptr, inv_ptr, M, K, n_kb, n_mb, n_seg, n_part, S_PART,
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
-    T: tl.constexpr,
+    T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+    BP: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
@@ -194,7 +206,28 @@ def _cast_tile_kernel(
             eid = _segment_of(rows64, seg_ptr, n_seg)
             start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[None, :]
             length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0)[None, :] - start
-    if MODE == 2:
+    if MODE == 2 and FUSED:  # current scaling: this tile's (segment's) amax from the partials
+        if SEG:  # ALIGNED: the segment's amax programs are whole, back to back
+            lo = (start // R_AMAX) * S_PART
+            hi = ((start + length) // R_AMAX) * S_PART
+        else:
+            lo = 0
+            hi = n_part
+        acc = tl.zeros([BP], dtype=tl.int32)
+        for i in range(lo, hi, BP):
+            offs_p = i + tl.arange(0, BP)
+            acc = tl.maximum(acc, tl.load(part_ptr + offs_p, mask=offs_p < hi, other=0))
+        s_all, inv_all = _tensor_scale(tl.max(acc, axis=0).to(tl.float32, bitcast=True), FMAX, EPS, 1.0, POW2)
+        if SEG:
+            first = (pid_k == 0) & (pid_m.to(tl.int64) * T == start)
+            dst_e = eid * SCALE_STRIDE
+        else:
+            first = (pid_k == 0) & (pid_m == 0)
+            dst_e = 0
+        if first:  # one program per segment publishes the scale the GEMM and a later cast use
+            tl.store(tensor_scale_ptr + dst_e, s_all)
+            tl.store(inv_ptr + dst_e, inv_all)
+    elif MODE == 2:
         if SEG and ALIGNED:
             s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE)
         elif SEG:
@@ -339,13 +372,19 @@ def cast_segments(
     aligned = all(s % TILE == 0 for s in splits)
     if mode != "tensor" and not aligned:
         raise ValueError(f"cast_segments: {mode} segments must be multiples of {TILE} rows, got {splits}")
-    m, k = x.shape
     rowwise_out = rowwise
     rowwise = rowwise or mode == "128x128"  # the 2-D block scales come with the rowwise pass
-    row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale,
-                                     offsets, len(splits), aligned)
+    raw = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, offsets, len(splits), aligned)
+    return _split_segments(raw, splits, x.shape[1], mode, rowwise_out, columnwise)
+
+
+def _split_segments(
+    raw: tuple[torch.Tensor | None, ...], splits: list[int], k: int, mode: str, rowwise: bool, columnwise: bool,
+) -> tuple[list[Copy] | None, list[Copy] | None]:
+    """Per-segment ``(data, scale_inv)`` views of a segmented launch's raw outputs."""
+    row, row_s, col, col_s = raw
     n_kb = triton.cdiv(k, TILE)
-    rows: list[Copy] | None = [] if rowwise_out else None
+    rows: list[Copy] | None = [] if rowwise else None
     cols: list[Copy] | None = [] if columnwise else None
     lo = 0
     for n in splits:
@@ -366,8 +405,17 @@ def cast_segments(
     return rows, cols
 
 
+class _Fused:
+    """Current scaling computed inside the cast: per-program amax partials ``part`` (``s``
+    slices per row program), outputs ``inv`` (``1/scale``; the scale goes to ``tensor_scale``)."""
+
+    def __init__(self, part: torch.Tensor, s: int, inv: torch.Tensor, eps: float, pow2: bool) -> None:
+        self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
+
+
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
-            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False
+            tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
+            fused: _Fused | None = None,
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
     m, k = x.shape
@@ -387,11 +435,15 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     def ptr(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else dummy
 
+    # every constexpr given (the launcher shortcut binds no defaults)
+    extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
+                                    POW2=fused.pow2 if fused else False, BP=1024)
     _CAST((n_mb, n_kb),
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
-        m, k, n_kb, n_mb, n_seg,
+        fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
+        fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8, **extra,
     )
     return row, row_s, col, col_s
 
@@ -399,6 +451,43 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
 # ---- per-tensor amax and scale ---------------------------------------------------------------
 _R, _BK = 16, 256  # rows x columns per amax step
 _MIN_PROGRAMS = 1024
+
+
+def _amax_partials(x: torch.Tensor, per_program: bool) -> tuple[torch.Tensor, int]:
+    """``(part, s)``: |x| maxima as FP32 bits per row (or per ``_R``-row program) and K slice."""
+    m, k = x.shape
+    n_r = triton.cdiv(m, _R)
+    n_kc = triton.cdiv(k, _BK)
+    s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
+    k_per = triton.cdiv(n_kc, s) * _BK
+    s = triton.cdiv(k, k_per) if k else 1
+    part = torch.empty(((n_r if per_program else m) * s,), dtype=torch.int32, device=x.device)
+    if m and k:
+        _ROW_AMAX((n_r, s), x, part, m, k, s, k_per, R=_R, BK=_BK, PER_PROGRAM=per_program, num_warps=4)
+    elif m:
+        part.zero_()
+    return part, s
+
+
+def cast_current(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool = False,
+    amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
+) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
+    """Current scaling in two launches (amax partials; then the cast, whose programs turn them
+    into the scale): ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
+    ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment:
+    lists of ``(data, None)`` copies and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart."""
+    x = x.contiguous()
+    part, s = _amax_partials(x, per_program=True)
+    n_seg = len(splits) if splits is not None else 1
+    scale, inv = aligned_scalars(n_seg, x.device), aligned_scalars(n_seg, x.device)
+    fused = _Fused(part, s, inv, amax_epsilon, power_2_scale)
+    raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=splits is not None,
+                  fused=fused)
+    if splits is None:
+        return raw[0], raw[2], scale, inv
+    rows, cols = _split_segments(raw, splits, x.shape[1], "tensor", rowwise, columnwise)
+    return rows, cols, scale, inv
 
 
 def amax_and_scale(
@@ -409,16 +498,7 @@ def amax_and_scale(
     launches. ``scale=False``: amax only (to be reduced over a group first)."""
     m, k = x.shape
     x = x.contiguous()
-    n_r = triton.cdiv(m, _R)
-    n_kc = triton.cdiv(k, _BK)
-    s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
-    k_per = triton.cdiv(n_kc, s) * _BK
-    s = triton.cdiv(k, k_per) if k else 1
-    part = torch.empty((m * s,), dtype=torch.int32, device=x.device)
-    if m and k:
-        _ROW_AMAX((n_r, s), x, part, m, k, s, k_per, R=_R, BK=_BK, num_warps=4)
-    elif m:
-        part.zero_()
+    part, s = _amax_partials(x, per_program=False)
     amax = torch.empty((n_seg,), dtype=torch.float32, device=x.device)
     sc = aligned_scalars(n_seg, x.device) if scale else None
     inv = aligned_scalars(n_seg, x.device) if scale else None
