@@ -288,3 +288,28 @@ def test_expert_weights_packed_in_one_buffer() -> None:
     moved = layer.to(torch.float32)
     copy = moved._stacked_weights()
     assert copy.data_ptr() != moved.weight0.data_ptr() and torch.equal(copy, torch.cat(list(moved.weights)))
+
+
+def test_back_to_back_detects_one_buffer_in_order() -> None:
+    """The grouped GEMM takes per-expert operands as one tensor only when they lie back to back
+    in one buffer, in expert order (else it runs per expert)."""
+    from megatron_fp8.gemm import _back_to_back
+
+    buf = torch.arange(24.0)
+    assert _back_to_back([buf[:6].view(2, 3), buf[6:6].view(0, 3), buf[6:15].view(3, 3)])
+    assert not _back_to_back([buf[6:12].view(2, 3), buf[:6].view(2, 3)])  # out of order
+    assert not _back_to_back([buf[:6].view(2, 3), buf[9:15].view(2, 3)])  # a gap
+    assert not _back_to_back([buf[:6].view(2, 3), torch.zeros(2, 3)])  # another buffer
+    assert not _back_to_back([buf[:12].view(3, 4)[:, :2], buf[12:18].view(3, 2)])  # not contiguous
+
+
+def test_segment_offsets_cached_and_bounded() -> None:
+    from megatron_fp8.quant import kernels
+
+    first = kernels.segment_offsets([3, 0, 5], torch.device("cpu"))
+    assert first.tolist() == [0, 3, 3, 8] and first.dtype == torch.int64
+    assert kernels.segment_offsets((3, 0, 5), torch.device("cpu")) is first  # same splits: no new copy
+    for i in range(kernels._OFFSETS_KEPT + 1):
+        kernels.segment_offsets([i + 100], torch.device("cpu"))
+    assert len(kernels._offsets_cache) == kernels._OFFSETS_KEPT
+    assert kernels.segment_offsets([3, 0, 5], torch.device("cpu")) is not first  # evicted, rebuilt
