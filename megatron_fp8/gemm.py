@@ -37,6 +37,7 @@ __all__ = [
     "gemm",
     "grouped_gemm",
     "grouped_gemm_cat",
+    "back_to_back",
     "select_backend",
     "native_supported",
     "force_backend",
@@ -270,7 +271,7 @@ def grouped_gemm(
             for i, (ai, bi) in enumerate(zip(a, b))]
 
 
-def _back_to_back(datas: Sequence[torch.Tensor]) -> bool:
+def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
     """Whether contiguous tensors lie one after another in one storage (no gaps, in order)."""
     d0 = datas[0]
     ptr, offset = d0.untyped_storage().data_ptr(), d0.storage_offset()
@@ -308,7 +309,7 @@ def _grouped_native(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch
         return None
     if (_state.forced or _env_backend()) is Backend.EMULATE:
         return None
-    if not (_back_to_back([ai.data for ai in a]) and _back_to_back([bi.data for bi in b])):
+    if not (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])):
         return None
     from .quant.kernels import segment_offsets
 

@@ -293,14 +293,14 @@ def test_expert_weights_packed_in_one_buffer() -> None:
 def test_back_to_back_detects_one_buffer_in_order() -> None:
     """The grouped GEMM takes per-expert operands as one tensor only when they lie back to back
     in one buffer, in expert order (else it runs per expert)."""
-    from megatron_fp8.gemm import _back_to_back
+    from megatron_fp8.gemm import back_to_back
 
     buf = torch.arange(24.0)
-    assert _back_to_back([buf[:6].view(2, 3), buf[6:6].view(0, 3), buf[6:15].view(3, 3)])
-    assert not _back_to_back([buf[6:12].view(2, 3), buf[:6].view(2, 3)])  # out of order
-    assert not _back_to_back([buf[:6].view(2, 3), buf[9:15].view(2, 3)])  # a gap
-    assert not _back_to_back([buf[:6].view(2, 3), torch.zeros(2, 3)])  # another buffer
-    assert not _back_to_back([buf[:12].view(3, 4)[:, :2], buf[12:18].view(3, 2)])  # not contiguous
+    assert back_to_back([buf[:6].view(2, 3), buf[6:6].view(0, 3), buf[6:15].view(3, 3)])
+    assert not back_to_back([buf[6:12].view(2, 3), buf[:6].view(2, 3)])  # out of order
+    assert not back_to_back([buf[:6].view(2, 3), buf[9:15].view(2, 3)])  # a gap
+    assert not back_to_back([buf[:6].view(2, 3), torch.zeros(2, 3)])  # another buffer
+    assert not back_to_back([buf[:12].view(3, 4)[:, :2], buf[12:18].view(3, 2)])  # not contiguous
 
 
 def test_segment_offsets_cached_and_bounded() -> None:

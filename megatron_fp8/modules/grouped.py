@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..gemm import back_to_back
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
 from ..quant.tensor import QuantizedTensor
@@ -54,14 +55,7 @@ class ExpertParams:
         to back in one buffer (``pack_weights``), else a copy."""
         ws = self.weights
         w0 = ws[0]
-        step = w0.numel()
-        adjacent = all(
-            w.is_contiguous() and w.dtype == w0.dtype and w.shape == w0.shape
-            and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
-            and w.storage_offset() == w0.storage_offset() + i * step
-            for i, w in enumerate(ws)
-        )
-        if adjacent:
+        if all(w.shape == w0.shape for w in ws) and back_to_back(ws):
             return w0.detach().as_strided((len(ws) * w0.shape[0], w0.shape[1]), (w0.shape[1], 1))
         return torch.cat([w.detach() for w in ws])
 
@@ -72,11 +66,11 @@ class ExpertParams:
         cache: dict[str, QuantizedTensor] = self._w_cache  # type: ignore[attr-defined]
         if is_first_microbatch is False and all(k in cache for k in keys):
             return [cache[k] for k in keys]
-        q0 = qs[0].weight
+        q0, w0 = qs[0].weight, self.weights[0]
         fused = None
-        if self.num_gemms > 1 and q0.casts_segments(self.weights[0]):
+        if self.num_gemms > 1 and q0.casts_segments(w0):
             with torch.no_grad():
-                fused = q0.quantize_segments(self._stacked_weights(), [self.weights[0].shape[0]] * self.num_gemms,
+                fused = q0.quantize_segments(self._stacked_weights(), [w0.shape[0]] * self.num_gemms,
                                              peers=[q.weight for q in qs], rowwise=True, columnwise=True)
         if fused is None:
             return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]

@@ -174,8 +174,9 @@ class _GroupedLinear(torch.autograd.Function):
             y = _forward_hp(ctx, x, weights)
         else:
             y = _forward_fp8(ctx, x, args)
-        if ctx.has_bias:
-            y = torch.cat([yi + b.to(yi.dtype) for yi, b in zip(y.split(list(args.m_splits)), biases)])
+        if ctx.has_bias:  # y is this function's fresh output: add each expert's bias in place
+            for yi, b in zip(y.split(list(args.m_splits)), biases):
+                yi.add_(b.to(yi.dtype))
         return y
 
     @staticmethod

@@ -203,8 +203,14 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, 
 
 # ---- segments (the experts of a grouped layer, rows back to back) ---------------------------
 def segments_fused(x: torch.Tensor, columnwise: bool) -> bool:
-    """Whether one-launch casts of all segments run here (CUDA with Triton)."""
+    """Whether the fused Triton casts serve ``x`` here with these copies (CUDA with Triton;
+    FP32 with a columnwise copy excepted): one tensor, or all its segments in one launch."""
     return _fused(x) and _transpose_ok(x, columnwise)
+
+
+def block_segments_fused(x: torch.Tensor, block: int, pow2: bool, eps: float) -> bool:
+    """``segments_fused`` (with a columnwise copy) for block casts with these options."""
+    return segments_fused(x, True) and _block_kernel_ok(x, True, block, pow2, eps)
 
 
 _OFFSETS_KEPT = 16  # distinct split lists whose device offsets are kept (a step's layers share them)
@@ -248,7 +254,7 @@ def cast_current(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise:
                  amax_epsilon: float) -> CurrentCast | None:
     """Current scaling (amax, scale, cast) in two launches: ``(row, col, scale, 1/scale)``, or
     None where that does not apply (off the kernels' device, FP32 with a columnwise copy, empty)."""
-    if not (_fused(x) and _transpose_ok(x, columnwise)) or x.numel() == 0 or not _fused_current.ok:
+    if not segments_fused(x, columnwise) or x.numel() == 0:
         return None
     out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
                                                         amax_epsilon=amax_epsilon))
@@ -266,6 +272,8 @@ class _FusedCurrentGuard:
     ok = True
 
     def __call__(self, run: Callable[[], Any]) -> Any:
+        if not self.ok:
+            return None
         try:
             return run()
         except Exception as e:  # noqa: BLE001 - a compiler error of any kind
@@ -285,7 +293,7 @@ def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.d
                                      torch.Tensor] | None:
     """``cast_current`` of every segment in two launches (per-segment scales ``[E]``, 16 bytes
     apart), or None where that does not apply (also: a split zero or not a multiple of 128)."""
-    if not segments_fused(x, columnwise) or any(m <= 0 or m % 128 for m in splits) or not _fused_current.ok:
+    if not segments_fused(x, columnwise) or any(m <= 0 or m % 128 for m in splits):
         return None
     out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
                                                         amax_epsilon=amax_epsilon, splits=list(splits),
@@ -293,8 +301,12 @@ def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.d
     if out is None:
         return None
     rows, cols, s, inv = out
-    return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None), \
-        s, inv
+    return _data_only(rows), _data_only(cols), s, inv
+
+
+def _data_only(copies: Sequence[tuple[torch.Tensor, Any]] | None) -> list[torch.Tensor] | None:
+    """The data of per-segment ``(data, scale_inv)`` copies (tensorwise: the caller holds the scales)."""
+    return [d for d, _ in copies] if copies is not None else None
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -313,7 +325,7 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
     if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
         scales = aligned_copy(scales)
     rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
-    return ([d for d, _ in rows] if rows is not None else None), ([d for d, _ in cols] if cols is not None else None)
+    return _data_only(rows), _data_only(cols)
 
 
 def cast_blocks_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,

@@ -207,7 +207,6 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         amax = _reduce_amax(kernels.tensor_amax(x), self.group)
         return kernels.scale_from_amax(amax, self.fp8_dtype, **kw)
 
-
     def _fused_cast(self, x: torch.Tensor, rowwise: bool, columnwise: bool) -> kernels.CurrentCast | None:
         if _grouped(self.group):  # the amax is reduced over the group before the scale
             return None
@@ -234,21 +233,22 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
-        offsets = None
-        fused = None if scales is not None or _grouped(self.group) else \
+        reduce = _grouped(self.group)
+        fused = None if scales is not None or reduce else \
             kernels.cast_current_segments(x, splits, self.fp8_dtype, rowwise, columnwise, **kw)
         if fused is not None:  # amax, scale and cast of every segment in two launches
             rows, cols, scale, inv = fused
-        elif scales is None:
-            reduce = _grouped(self.group)
-            amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce, **kw)
-            if reduce:  # one all-reduce for every expert's amax
-                scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
         else:
-            scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
-            inv = kernels.aligned_copy(torch.reciprocal(scale))
-        assert scale is not None and inv is not None
-        if fused is None:
+            offsets = None
+            if scales is not None:
+                scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
+                inv = kernels.aligned_copy(torch.reciprocal(scale))
+            else:
+                amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce,
+                                                                       **kw)
+                if reduce:  # one all-reduce for every expert's amax
+                    scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
+            assert scale is not None and inv is not None
             rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise,
                                                           offsets)
         row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
@@ -359,8 +359,7 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.block)
 
     def casts_segments(self, x: torch.Tensor) -> bool:
-        return kernels.segments_fused(x, columnwise=True) and self.block == 128 and self.power_2_scale \
-            and not self.amax_epsilon
+        return kernels.block_segments_fused(x, self.block, self.power_2_scale, self.amax_epsilon)
 
     def quantize_segments(
         self,

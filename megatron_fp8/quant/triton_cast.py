@@ -130,6 +130,16 @@ def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.co
 
 
 @triton.jit
+def _amax_of_partials(part_ptr, lo, hi, B: tl.constexpr):
+    """FP32 amax of the bit-pattern partials ``part[lo:hi]`` (0 for an empty range)."""
+    acc = tl.zeros([B], dtype=tl.int32)
+    for i in range(lo, hi, B):
+        offs = i + tl.arange(0, B)
+        acc = tl.maximum(acc, tl.load(part_ptr + offs, mask=offs < hi, other=0))
+    return tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
                           SEG: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
                           MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr):
@@ -141,11 +151,7 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
     else:
         lo = 0
         hi = M * S
-    acc = tl.zeros([B], dtype=tl.int32)
-    for i in range(lo, hi, B):
-        offs = i + tl.arange(0, B)
-        acc = tl.maximum(acc, tl.load(part_ptr + offs, mask=offs < hi, other=0))
-    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+    amax = _amax_of_partials(part_ptr, lo, hi, B)
     tl.store(amax_ptr + e, amax)
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
@@ -213,11 +219,7 @@ def _cast_tile_kernel(
         else:
             lo = 0
             hi = n_part
-        acc = tl.zeros([BP], dtype=tl.int32)
-        for i in range(lo, hi, BP):
-            offs_p = i + tl.arange(0, BP)
-            acc = tl.maximum(acc, tl.load(part_ptr + offs_p, mask=offs_p < hi, other=0))
-        s_all, inv_all = _tensor_scale(tl.max(acc, axis=0).to(tl.float32, bitcast=True), FMAX, EPS, 1.0, POW2)
+        s_all, inv_all = _tensor_scale(_amax_of_partials(part_ptr, lo, hi, BP), FMAX, EPS, 1.0, POW2)
         if SEG:
             first = (pid_k == 0) & (pid_m.to(tl.int64) * T == start)
             dst_e = eid * SCALE_STRIDE
