@@ -33,6 +33,24 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
     return statistics.median(times)
 
 
+def host_and_device_ms(fn: Callable[[], object], n: int = 20) -> tuple[float, float]:
+    """(host ms per call, device ms per call) over ``n`` back-to-back calls (CUDA): equal when
+    the calls are launch-bound, host far below device when the GPU is the limit."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / n
+
+
 def environment() -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     return (f"{dev}, torch {torch.__version__}, CUDA {torch.version.cuda}, "

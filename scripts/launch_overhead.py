@@ -6,24 +6,11 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
-from benchlib import markdown_table
+from benchlib import host_and_device_ms, markdown_table
 
 from megatron_fp8.quant import triton_cast
 from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
-
-
-def _host_us(fn, n: int = 2000) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> None:
@@ -42,7 +29,7 @@ def main() -> None:
         for fast in (False, True):
             for launcher in launchers:
                 launcher.fast = fast
-            got[fast] = _host_us(fn)
+            got[fast] = host_and_device_ms(fn, 2000)[0] * 1e3  # host us per call
         rows.append([name, got[False], got[True], got[False] - got[True]])
     print(markdown_table(["call", "plain Triton launch us", "kept-kernel launch us", "saved us"], rows))
 

@@ -9,31 +9,15 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import time
 
 import torch
-from benchlib import markdown_table
+from benchlib import host_and_device_ms, markdown_table
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_fp8 import Linear, fp8_autocast
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.recipe import PRESETS, TensorRole
-
-
-def _measure(fn, n: int = 20) -> tuple[float, float]:
-    """(host ms per call, device ms per call) over ``n`` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) / n
 
 
 def _top_kernels(fn, k: int = 12, sort_by: str = "self_cuda_time_total") -> str:
@@ -134,7 +118,7 @@ def main() -> None:
                 cases[f"{rname} Linear {m}x{n}x{k} flag={'on' if flag else 'off'}"] = step
     rows = []
     for name, fn in cases.items():
-        host, dev = _measure(fn)
+        host, dev = host_and_device_ms(fn)
         rows.append([name, host, dev])
         print(rows[-1], flush=True)
     print(markdown_table(["case", "host ms/call", "device ms/call"], rows))
