@@ -1,0 +1,137 @@
+"""DRAFT (not wired in; never run on a GPU yet): grouped FP8 GEMMs of all experts in one Triton
+launch, for the cases torch has no grouped kernel for on SM90 (E5M2 gradients, 1x128/128x128
+block scales) and for wgrad.
+
+Two problem shapes, both with every expert's operands back to back in one buffer (as the
+one-launch expert casts leave them) and every token count a multiple of 128:
+
+==========  ======================================  =======================================
+kernel      computes                                operands
+==========  ======================================  =======================================
+``rows``    ``y[rows of e] = a_e @ b_e.T``          a ``[M, K]`` (experts' rows back to
+            (fprop, dgrad)                          back), b ``[G, N, K]``
+``kgroup``  ``dw_e = a_e @ b_e.T`` over e's tokens  a_e ``[N, m_e]``, b_e ``[K, m_e]`` at
+            (wgrad)                                 ``N * start_e`` / ``K * start_e``
+==========  ======================================  =======================================
+
+Scales: ``tensor`` (one per expert and operand, 16 bytes apart), or ``block``: in ``rows``, a in
+1x128 tiles along K (per segment ``[K/128, m_e]``, M-major, as ``triton_cast`` writes them) and
+b in 128x128 blocks (per expert ``[N/128, K/128]``, back to back); in ``kgroup``, both in 1x128
+tiles along the tokens (``[M/128, N]`` and ``[M/128, K]``). Block-scaled products are summed in
+FP32 per 128-deep K step after scaling (DeepSeek-V3's promotion), so results are close to, not
+bitwise, cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 128
+STRIDE = tl.constexpr(4)  # per-expert scales 16 bytes apart (triton_cast.STRIDE)
+
+
+@triton.jit
+def _expert_of(row, off_ptr, n_exp):
+    e = row * 0
+    for j in range(1, n_exp):
+        e += (row >= tl.load(off_ptr + j)).to(e.dtype)
+    return e
+
+
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tn,
+                 BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 OUT: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid // n_tn, pid % n_tn
+    row0 = pid_m.to(tl.int64) * BM
+    e = _expert_of(row0, off_ptr, n_exp)
+    start = tl.load(off_ptr + e)
+    m_e = tl.load(off_ptr + e + 1) - start
+    rm = row0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_kb = tl.cdiv(K, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(0, n_kb):
+        kk = kb * BK + rk
+        a = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
+        b = tl.load(b_ptr + e * N * K + rn[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        if BLOCKED:
+            s_a = tl.load(sa_ptr + start * n_kb + kb * m_e + (rm - start))  # [BM]
+            s_b = tl.load(sb_ptr + (e * tl.cdiv(N, BN) + pid_n) * n_kb + kb)  # scalar (BN == 128)
+            acc += part * s_a[:, None] * s_b
+        else:
+            acc += part
+    if not BLOCKED:
+        acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
+
+
+@triton.jit
+def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
+                   BLOCKED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                   OUT: tl.constexpr):
+    pid = tl.program_id(0)
+    per_e = n_tn * n_tk
+    e = pid // per_e
+    pid_n, pid_k = (pid % per_e) // n_tk, (pid % per_e) % n_tk
+    start = tl.load(off_ptr + e)
+    m_e = tl.load(off_ptr + e + 1) - start
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
+    rt = tl.arange(0, BT)
+    a_base = a_ptr + N * start
+    b_base = b_ptr + K * start
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for t0 in range(0, m_e, BT):
+        tt = t0 + rt
+        a = tl.load(a_base + rn[:, None].to(tl.int64) * m_e + tt[None, :], mask=rn[:, None] < N, other=0.0)
+        b = tl.load(b_base + rk[:, None].to(tl.int64) * m_e + tt[None, :], mask=rk[:, None] < K, other=0.0)
+        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        if BLOCKED:
+            tb = start // BT + t0 // BT
+            s_a = tl.load(sa_ptr + tb * N + rn, mask=rn < N, other=0.0)
+            s_b = tl.load(sb_ptr + tb * K + rk, mask=rk < K, other=0.0)
+            acc += part * s_a[:, None] * s_b[None, :]
+        else:
+            acc += part
+    if not BLOCKED:
+        acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
+    dst = c_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    tl.store(dst, acc.to(OUT), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+_OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                 out_dtype: torch.dtype, *, blocked: bool) -> torch.Tensor:
+    """``cat_e(a[rows of e] @ b[e].T)``: ``a [M, K]`` FP8, ``b [G, N, K]`` FP8, ``offsets [G+1]``
+    (multiples of 128). ``sa``/``sb``: per-expert 1/scales 16 bytes apart (tensor) or the block
+    scale buffers described in the module docstring."""
+    m, k = a.shape
+    g, n, _ = b.shape
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    n_tn = triton.cdiv(n, BLOCK)
+    if m:
+        _rows_kernel[(m // BLOCK * n_tn,)](a, b, c, sa, sb, offsets, n, k, g, n_tn, BLOCKED=blocked, BM=BLOCK,
+                                           BN=BLOCK, BK=BLOCK, OUT=_OUT[out_dtype], num_warps=8)
+    return c
+
+
+def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                   n: int, k: int, out_dtype: torch.dtype, *, blocked: bool) -> torch.Tensor:
+    """``[a_e @ b_e.T for e]`` as ``[G, N, K]``: ``a`` the flat ``[N, m_e]`` blocks, ``b`` the flat
+    ``[K, m_e]`` blocks of every expert (``offsets [G+1]``, multiples of 128); zero for an expert
+    without tokens."""
+    g = offsets.numel() - 1
+    c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    n_tn, n_tk = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    _kgroup_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=BLOCK,
+                                       BK=BLOCK, BT=BLOCK, OUT=_OUT[out_dtype], num_warps=8)
+    return c
