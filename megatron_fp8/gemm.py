@@ -38,6 +38,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_cat",
     "back_to_back",
+    "grouped_wgrad",
     "select_backend",
     "native_supported",
     "force_backend",
@@ -332,6 +333,120 @@ def _grouped_ok(device: torch.device) -> bool:
     return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def _grouped_backend() -> str:
+    v = os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower()
+    if v not in ("auto", "torch", "triton", "loop"):
+        raise ValueError(f"MEGATRON_FP8_GROUPED_GEMM={v!r}; allowed: 'auto', 'torch', 'triton', 'loop'")
+    return v
+
+
+def _triton_grouped_here(dev: torch.device) -> bool:
+    if (_state.forced or _env_backend()) is Backend.EMULATE:
+        return False
+    if not (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        from . import triton_grouped  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _strided_from(ts: Sequence[torch.Tensor], steps: Sequence[int]) -> bool:
+    """Whether ``ts[i]`` starts ``steps[i]`` elements after ``ts[0]`` in the same storage."""
+    t0 = ts[0]
+    ptr = t0.untyped_storage().data_ptr()
+    return all(t.numel() == 0 or (t.untyped_storage().data_ptr() == ptr  # an empty expert's is never read
+                                  and t.storage_offset() == t0.storage_offset() + st) for t, st in zip(ts, steps))
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """A 1-element view where ``t`` starts in its storage (an empty view's ``data_ptr`` is not its
+    place in the buffer): the pointer a grouped kernel indexes every expert from."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (1,))
+
+
+def _scales_laid_out(ops: Sequence[Operand], starts: Sequence[int], kind: str, width: int) -> bool:
+    """Per-expert scales where the Triton grouped kernels look for them (``triton_grouped``):
+    tensor: 16 bytes apart; ``rows`` 1x128: ``[K/128, m_e]`` per segment at ``start * K/128``;
+    ``weights`` 128x128: ``[N/128, K/128]`` per expert back to back; ``tokens`` 1x128 along
+    tokens: ``[m_e/128, width]`` at ``start / 128 * width``."""
+    scales = [o.scale_inv for o in ops]
+    if ops[0].layout is L.TENSOR:
+        return _strided_from(scales, [4 * i for i in range(len(ops))])
+    if kind == "rows":
+        return _strided_from(scales, [st * width for st in starts])
+    if kind == "weights":
+        return _strided_from(scales, [i * scales[0].numel() for i in range(len(ops))]) and all(
+            s.is_contiguous() for s in scales)
+    return _strided_from(scales, [st // 128 * width for st in starts])
+
+
+def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype,
+                         name: str) -> torch.Tensor | None:
+    """``cat_i(a_i @ b_i.T)`` in one Triton launch (``triton_grouped.grouped_rows``) where the
+    operands are laid out for it: every expert's rows a multiple of 128, operands back to back,
+    tensorwise (any FP8 pair) or 1x128 x 128x128 scales. None otherwise."""
+    a0, b0 = a[0], b[0]
+    dev = a0.data.device
+    blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
+    if not (len(a) > 1 and _triton_grouped_here(dev) and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (blocked or a0.layout is b0.layout is L.TENSOR)):
+        return None
+    (_, k), (n, _) = a0.shape, b0.shape
+    splits = [ai.shape[0] for ai in a]
+    if any(s % 128 for s in splits) or any(bi.shape != b0.shape for bi in b) or (blocked and (n % 128 or k % 128)):
+        return None
+    starts = [sum(splits[:i]) for i in range(len(splits))]
+    if not (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])
+            and _scales_laid_out(a, starts, "rows", k // 128) and _scales_laid_out(b, starts, "weights", 0)):
+        return None
+    from . import triton_grouped
+    from .quant.kernels import segment_offsets
+
+    m, g = sum(splits), len(a)
+    for calls in _state.records:
+        calls.append(GemmCall(f"{name}[triton]", Backend.NATIVE, (a0.layout, b0.layout), (m, n, k)))
+    a_all = _base(a0.data).as_strided((m, k), (k, 1))
+    b_all = _base(b0.data).as_strided((g, n, k), (n * k, k, 1))
+    return triton_grouped.grouped_rows(a_all, b_all, _base(a0.scale_inv), _base(b0.scale_inv),
+                                       segment_offsets(splits, dev), out_dtype, blocked=blocked)
+
+
+def grouped_wgrad(
+    a: Sequence[Operand],
+    b: Sequence[Operand],
+    out_dtype: torch.dtype,
+    *,
+    name: str = "wgrad",
+) -> list[torch.Tensor]:
+    """``[a_i @ b_i.T]`` for wgrad operands (``a_i [N, m_i]``, ``b_i [K, m_i]``, contracted over
+    each expert's tokens): one Triton launch (``triton_grouped.grouped_kgroup``) where they are
+    laid out for it, else ``grouped_gemm``."""
+    a0, b0 = a[0], b[0]
+    dev = a0.data.device
+    splits = [ai.shape[1] for ai in a]
+    blocked = a0.layout is b0.layout is L.BLOCK_1x128
+    ok = (len(a) > 1 and _grouped_backend() in ("auto", "triton") and _triton_grouped_here(dev)
+          and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+          and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits))
+    if ok:
+        (n, _), (k, _) = a0.shape, b0.shape
+        starts = [sum(splits[:i]) for i in range(len(splits))]
+        ok = (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])
+              and _scales_laid_out(a, starts, "tokens", n) and _scales_laid_out(b, starts, "tokens", k))
+    if not ok:
+        return grouped_gemm(a, b, out_dtype, name=name)
+    from . import triton_grouped
+    from .quant.kernels import segment_offsets
+
+    for calls in _state.records:
+        calls.append(GemmCall(f"{name}[triton]", Backend.NATIVE, (a0.layout, b0.layout), (n, k, sum(splits))))
+    out = triton_grouped.grouped_kgroup(_base(a0.data), _base(b0.data), _base(a0.scale_inv), _base(b0.scale_inv),
+                                        segment_offsets(splits, dev), n, k, out_dtype, blocked=blocked)
+    return list(out.unbind(0))
+
+
 def grouped_gemm_cat(
     a: Sequence[Operand],
     b: Sequence[Operand],
@@ -342,7 +457,10 @@ def grouped_gemm_cat(
 ) -> torch.Tensor:
     """``cat_i(a_i @ b_i.T)``, ``[sum m_i, n]``: one native grouped GEMM where it applies
     (``_grouped_native``), else ``grouped_gemm`` and a concatenation."""
-    out = _grouped_native(a, b, out_dtype, fast_accum, name)
+    backend = _grouped_backend()
+    out = _grouped_native(a, b, out_dtype, fast_accum, name) if backend in ("auto", "torch") else None
+    if out is None and backend in ("auto", "triton"):
+        out = _grouped_triton_rows(a, b, out_dtype, name)
     if out is not None:
         return out
     outs = grouped_gemm(a, b, out_dtype, name=name, fast_accum=fast_accum)

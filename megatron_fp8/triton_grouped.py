@@ -1,6 +1,8 @@
-"""DRAFT (not wired in; never run on a GPU yet): grouped FP8 GEMMs of all experts in one Triton
-launch, for the cases torch has no grouped kernel for on SM90 (E5M2 gradients, 1x128/128x128
-block scales) and for wgrad.
+"""DRAFT (branch wip/triton-grouped-gemm; wired into gemm.grouped_gemm_cat / grouped_wgrad,
+``MEGATRON_FP8_GROUPED_GEMM=auto|torch|triton|loop``; checked only under TRITON_INTERPRET, never
+run on a GPU, untuned: 128x128x128 tiles, num_warps=8, no TMA, no persistence): grouped FP8
+GEMMs of all experts in one Triton launch, for the cases torch has no grouped kernel for on SM90
+(E5M2 gradients, 1x128/128x128 block scales) and for wgrad.
 
 Two problem shapes, both with every expert's operands back to back in one buffer (as the
 one-launch expert casts leave them) and every token count a multiple of 128:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm import grouped_gemm, grouped_gemm_cat, split_rows
+from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
@@ -263,7 +263,7 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, x_groups)
-        dws = list(grouped_gemm(dy_cols, x_cols, wgrad_dtype, name="wgrad"))
+        dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
     return dx, dws
 
 
