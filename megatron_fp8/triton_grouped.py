@@ -26,11 +26,14 @@ bitwise, cuBLAS's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 128
+BLOCK_C = tl.constexpr(BLOCK)  # scaling-block edge
 STRIDE = tl.constexpr(4)  # per-expert scales 16 bytes apart (triton_cast.STRIDE)
 
 
@@ -43,11 +46,15 @@ def _expert_of(row, off_ptr, n_exp):
 
 
 @triton.jit
-def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tn,
+def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm, n_tn,
                  BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 OUT: tl.constexpr):
+                 GROUP_M: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
-    pid_m, pid_n = pid // n_tn, pid % n_tn
+    per_group = GROUP_M * n_tn  # tiles ordered in bands of GROUP_M row tiles (L2 reuse of b)
+    first_m = pid // per_group * GROUP_M
+    band = tl.minimum(n_tm - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % band
+    pid_n = (pid % per_group) // band
     row0 = pid_m.to(tl.int64) * BM
     e = _expert_of(row0, off_ptr, n_exp)
     start = tl.load(off_ptr + e)
@@ -56,19 +63,20 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tn
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     n_kb = tl.cdiv(K, BK)
+    n_nb = tl.cdiv(N, BLOCK_C)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, n_kb):
         kk = kb * BK + rk
         a = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
         b = tl.load(b_ptr + e * N * K + rn[:, None].to(tl.int64) * K + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-        if BLOCKED:
+        if BLOCKED:  # BK == 128: one 1x128 scale per row of a, one 128x128 scale per 128 columns of b
+            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
             s_a = tl.load(sa_ptr + start * n_kb + kb * m_e + (rm - start))  # [BM]
-            s_b = tl.load(sb_ptr + (e * tl.cdiv(N, BN) + pid_n) * n_kb + kb)  # scalar (BN == 128)
-            acc += part * s_a[:, None] * s_b
+            s_b = tl.load(sb_ptr + (e * n_nb + rn // BLOCK_C) * n_kb + kb, mask=rn < N, other=0.0)  # [BN]
+            acc += part * s_a[:, None] * s_b[None, :]
         else:
-            acc += part
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
@@ -94,14 +102,14 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
         tt = t0 + rt
         a = tl.load(a_base + rn[:, None].to(tl.int64) * m_e + tt[None, :], mask=rn[:, None] < N, other=0.0)
         b = tl.load(b_base + rk[:, None].to(tl.int64) * m_e + tt[None, :], mask=rk[:, None] < K, other=0.0)
-        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-        if BLOCKED:
+        if BLOCKED:  # BT == 128: one scale per 128 tokens of each row of a and of b
+            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
             tb = start // BT + t0 // BT
             s_a = tl.load(sa_ptr + tb * N + rn, mask=rn < N, other=0.0)
             s_b = tl.load(sb_ptr + tb * K + rk, mask=rk < K, other=0.0)
             acc += part * s_a[:, None] * s_b[None, :]
         else:
-            acc += part
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     dst = c_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
@@ -111,29 +119,50 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
 _OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Launch configuration of one grouped kernel (``scripts/bench_triton_grouped.py`` sweeps
+    these). ``rows``: ``bm`` x ``bn`` output tiles (``bm`` must divide every expert's row count);
+    ``kgroup``: ``bm`` x ``bn`` tiles of ``[N, K]`` per expert. The contraction step is 128."""
+
+    bm: int = 128
+    bn: int = 128
+    warps: int = 8
+    stages: int = 3
+    group_m: int = 8
+
+
+ROWS, KGROUP = Tiles(), Tiles()
+
+
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                 out_dtype: torch.dtype, *, blocked: bool) -> torch.Tensor:
+                 out_dtype: torch.dtype, *, blocked: bool, tiles: Tiles | None = None) -> torch.Tensor:
     """``cat_e(a[rows of e] @ b[e].T)``: ``a [M, K]`` FP8, ``b [G, N, K]`` FP8, ``offsets [G+1]``
     (multiples of 128). ``sa``/``sb``: per-expert 1/scales 16 bytes apart (tensor) or the block
     scale buffers described in the module docstring."""
+    t = tiles or ROWS
     m, k = a.shape
     g, n, _ = b.shape
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    n_tn = triton.cdiv(n, BLOCK)
+    n_tm, n_tn = m // t.bm, triton.cdiv(n, t.bn)
     if m:
-        _rows_kernel[(m // BLOCK * n_tn,)](a, b, c, sa, sb, offsets, n, k, g, n_tn, BLOCKED=blocked, BM=BLOCK,
-                                           BN=BLOCK, BK=BLOCK, OUT=_OUT[out_dtype], num_warps=8)
+        _rows_kernel[(n_tm * n_tn,)](a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm,
+                                     BN=t.bn, BK=BLOCK, GROUP_M=t.group_m, OUT=_OUT[out_dtype], num_warps=t.warps,
+                                     num_stages=t.stages)
     return c
 
 
 def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                   n: int, k: int, out_dtype: torch.dtype, *, blocked: bool) -> torch.Tensor:
+                   n: int, k: int, out_dtype: torch.dtype, *, blocked: bool,
+                   tiles: Tiles | None = None) -> torch.Tensor:
     """``[a_e @ b_e.T for e]`` as ``[G, N, K]``: ``a`` the flat ``[N, m_e]`` blocks, ``b`` the flat
     ``[K, m_e]`` blocks of every expert (``offsets [G+1]``, multiples of 128); zero for an expert
     without tokens."""
+    t = tiles or KGROUP
     g = offsets.numel() - 1
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
-    n_tn, n_tk = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
-    _kgroup_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=BLOCK,
-                                       BK=BLOCK, BT=BLOCK, OUT=_OUT[out_dtype], num_warps=8)
+    n_tn, n_tk = triton.cdiv(n, t.bm), triton.cdiv(k, t.bn)
+    _kgroup_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm,
+                                       BK=t.bn, BT=BLOCK, OUT=_OUT[out_dtype], num_warps=t.warps,
+                                       num_stages=t.stages)
     return c

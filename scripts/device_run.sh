@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|gemm|linear|grouped|casts]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|gemm|linear|grouped|casts|steps|probe|tgemm|trace]...
 # Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,6 +22,8 @@ for what in "${steps[@]}"; do
     casts) python3 scripts/profile_casts.py 2>&1 | tee "$OUT/profile_casts.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
+    tgemm) python3 scripts/bench_triton_grouped.py 2>&1 | tee "$OUT/bench_triton_grouped.log" ;;
+    trace) python3 scripts/trace_step.py --out /tmp/traces 2>&1 | tee "$OUT/trace_step.log" ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -1,0 +1,120 @@
+"""Device timeline of one training step (GPU): every kernel of the step in order, with its start,
+duration and the idle gap before it, from a ``torch.profiler`` trace. Answers "the kernels add
+0.1 ms but the step grows 0.5 ms: where does the GPU wait?".
+
+    python scripts/trace_step.py [--cases linear-k14336 linear-k2048 grouped] [--out DIR]
+
+Writes one Chrome trace per case under ``--out`` (open in Perfetto) and prints, per case, the
+kernel sequence of the last profiled step and totals (span, busy, idle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+
+import torch
+from benchlib import markdown_table
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_fp8 import Linear, fp8_autocast
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.recipe import PRESETS
+
+
+def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[], None]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    lin = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+
+    def step() -> None:
+        x.grad = lin.weight.grad = None
+        with fp8_autocast(fp8_recipe=PRESETS[recipe]):
+            y = lin(x)
+        y.backward(dy)
+
+    return step
+
+
+def _grouped_step(recipe: str) -> Callable[[], None]:
+    splits = [2048] * 8
+    x = torch.randn(sum(splits), 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), 2048, device="cuda", dtype=torch.bfloat16) * 1e-3
+    layer = GroupedLinear(8, 4096, 2048, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+    def step() -> None:
+        x.grad = None
+        for w in layer.weights:
+            w.grad = None
+        with fp8_autocast(fp8_recipe=PRESETS[recipe]):
+            y = layer(x, splits)
+        y.backward(dy)
+
+    return step
+
+
+def _kernels_of_last_step(path: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the kernels (and memcpy/memset) of the last step."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    steps = sorted((e for e in events if e.get("name", "").startswith("ProfilerStep#") and e.get("ph") == "X"),
+                   key=lambda e: e["ts"])
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    last = steps[-1]["ts"] if steps else 0.0
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in gpu if e["ts"] >= last]
+
+
+def trace(name: str, fn: Callable[[], None], out: str) -> None:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    sched = torch.profiler.schedule(wait=0, warmup=1, active=2)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=sched) as prof:
+        for _ in range(3):
+            fn()
+            torch.cuda.synchronize()
+            prof.step()
+    path = os.path.join(out, f"trace_{name}.json")
+    prof.export_chrome_trace(path)
+    kernels = _kernels_of_last_step(path)
+    if not kernels:
+        print(f"## {name}: no kernels found in the trace")
+        return
+    t0, rows, prev_end, busy = kernels[0][1], [], kernels[0][1], 0.0
+    for kname, ts, dur in kernels:
+        rows.append([kname[:70], round(ts - t0, 1), round(dur, 1), round(max(ts - prev_end, 0.0), 1)])
+        prev_end, busy = max(prev_end, ts + dur), busy + dur
+    span = prev_end - t0
+    print(f"## {name}: span {span:.1f} us, busy {busy:.1f} us, idle {span - busy:.1f} us, "
+          f"{len(kernels)} kernels")
+    print(markdown_table(["kernel", "start us", "dur us", "gap before us"], rows), flush=True)
+
+
+CASES = {
+    "linear-k14336": lambda: {f"current_{f}": _linear_step(16384, 4096, 14336, "current", f == "on")
+                              for f in ("off", "on")},
+    "linear-k2048": lambda: {f"current_k2048_{f}": _linear_step(16384, 7168, 2048, "current", f == "on")
+                             for f in ("off", "on")},
+    "grouped": lambda: {f"grouped_{r}": _grouped_step(r) for r in ("current", "blockwise")},
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("trace_step.py needs CUDA (run it on the device machine)")
+    os.makedirs(args.out, exist_ok=True)
+    for case in args.cases:
+        for name, fn in CASES[case]().items():
+            trace(name, fn, args.out)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
