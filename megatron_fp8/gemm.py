@@ -382,7 +382,7 @@ def _scales_laid_out(ops: Sequence[Operand], starts: Sequence[int], kind: str, w
     return _strided_from(scales, [st // 128 * width for st in starts])
 
 
-def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype,
+def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
                          name: str) -> torch.Tensor | None:
     """``cat_i(a_i @ b_i.T)`` in one Triton launch (``triton_grouped.grouped_rows``) where the
     operands are laid out for it: every expert's rows a multiple of 128, operands back to back,
@@ -410,7 +410,7 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     a_all = _base(a0.data).as_strided((m, k), (k, 1))
     b_all = _base(b0.data).as_strided((g, n, k), (n * k, k, 1))
     return triton_grouped.grouped_rows(a_all, b_all, _base(a0.scale_inv), _base(b0.scale_inv),
-                                       segment_offsets(splits, dev), out_dtype, blocked=blocked)
+                                       segment_offsets(splits, dev), out_dtype, blocked=blocked, fast_accum=fast_accum)
 
 
 def grouped_wgrad(
@@ -460,7 +460,7 @@ def grouped_gemm_cat(
     backend = _grouped_backend()
     out = _grouped_native(a, b, out_dtype, fast_accum, name) if backend in ("auto", "torch") else None
     if out is None and backend in ("auto", "triton"):
-        out = _grouped_triton_rows(a, b, out_dtype, name)
+        out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name)
     if out is not None:
         return out
     outs = grouped_gemm(a, b, out_dtype, name=name, fast_accum=fast_accum)

@@ -48,7 +48,7 @@ def _expert_of(row, off_ptr, n_exp):
 @triton.jit
 def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm, n_tn,
                  BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, OUT: tl.constexpr):
+                 GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * n_tn  # tiles ordered in bands of GROUP_M row tiles (L2 reuse of b)
     first_m = pid // per_group * GROUP_M
@@ -57,8 +57,8 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
     pid_n = (pid % per_group) // band
     row0 = pid_m.to(tl.int64) * BM
     e = _expert_of(row0, off_ptr, n_exp)
-    start = tl.load(off_ptr + e)
-    m_e = tl.load(off_ptr + e + 1) - start
+    start = tl.multiple_of(tl.load(off_ptr + e), BLOCK_C)  # offsets are multiples of 128 (callers check)
+    m_e = tl.multiple_of(tl.load(off_ptr + e + 1) - start, BLOCK_C)
     rm = row0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -71,12 +71,15 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
         b = tl.load(b_ptr + e * N * K + rn[:, None].to(tl.int64) * K + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         if BLOCKED:  # BK == 128: one 1x128 scale per row of a, one 128x128 scale per 128 columns of b
-            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+            part = tl.dot(a, tl.trans(b), max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
             s_a = tl.load(sa_ptr + start * n_kb + kb * m_e + (rm - start))  # [BM]
-            s_b = tl.load(sb_ptr + (e * n_nb + rn // BLOCK_C) * n_kb + kb, mask=rn < N, other=0.0)  # [BN]
-            acc += part * s_a[:, None] * s_b[None, :]
+            if BN == BLOCK_C:
+                acc += part * (s_a * tl.load(sb_ptr + (e * n_nb + pid_n) * n_kb + kb))[:, None]
+            else:
+                s_b = tl.load(sb_ptr + (e * n_nb + rn // BLOCK_C) * n_kb + kb, mask=rn < N, other=0.0)  # [BN]
+                acc += part * s_a[:, None] * s_b[None, :]
         else:
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
@@ -85,13 +88,13 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
 @triton.jit
 def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
                    BLOCKED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   OUT: tl.constexpr):
+                   IMPRECISE: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
     per_e = n_tn * n_tk
     e = pid // per_e
     pid_n, pid_k = (pid % per_e) // n_tk, (pid % per_e) % n_tk
-    start = tl.load(off_ptr + e)
-    m_e = tl.load(off_ptr + e + 1) - start
+    start = tl.multiple_of(tl.load(off_ptr + e), BLOCK_C)  # multiples of 128: aligned, vector loads
+    m_e = tl.multiple_of(tl.load(off_ptr + e + 1) - start, BLOCK_C)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = pid_k * BK + tl.arange(0, BK)
     rt = tl.arange(0, BT)
@@ -103,17 +106,25 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
         a = tl.load(a_base + rn[:, None].to(tl.int64) * m_e + tt[None, :], mask=rn[:, None] < N, other=0.0)
         b = tl.load(b_base + rk[:, None].to(tl.int64) * m_e + tt[None, :], mask=rk[:, None] < K, other=0.0)
         if BLOCKED:  # BT == 128: one scale per 128 tokens of each row of a and of b
-            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+            part = tl.dot(a, tl.trans(b), max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
             tb = start // BT + t0 // BT
             s_a = tl.load(sa_ptr + tb * N + rn, mask=rn < N, other=0.0)
             s_b = tl.load(sb_ptr + tb * K + rk, mask=rk < K, other=0.0)
             acc += part * s_a[:, None] * s_b[None, :]
         else:
-            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     dst = c_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
     tl.store(dst, acc.to(OUT), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def _imprecise(fast_accum: bool) -> int | None:
+    """``max_num_imprecise_acc`` of the FP8 dots on SM90: Triton's default (None: the tensor cores'
+    reduced-precision accumulator throughout, like cuBLAS's fast accumulation) or 0 (promote
+    to FP32 after every MMA instruction, like cuBLAS's default). Block-scaled products are also
+    promoted at every 128-deep scaling step."""
+    return None if fast_accum else 0
 
 
 _OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -136,7 +147,8 @@ ROWS, KGROUP = Tiles(), Tiles()
 
 
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                 out_dtype: torch.dtype, *, blocked: bool, tiles: Tiles | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype, *, blocked: bool, fast_accum: bool = False,
+                 tiles: Tiles | None = None) -> torch.Tensor:
     """``cat_e(a[rows of e] @ b[e].T)``: ``a [M, K]`` FP8, ``b [G, N, K]`` FP8, ``offsets [G+1]``
     (multiples of 128). ``sa``/``sb``: per-expert 1/scales 16 bytes apart (tensor) or the block
     scale buffers described in the module docstring."""
@@ -147,13 +159,14 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.T
     n_tm, n_tn = m // t.bm, triton.cdiv(n, t.bn)
     if m:
         _rows_kernel[(n_tm * n_tn,)](a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm,
-                                     BN=t.bn, BK=BLOCK, GROUP_M=t.group_m, OUT=_OUT[out_dtype], num_warps=t.warps,
+                                     BN=t.bn, BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum),
+                                     OUT=_OUT[out_dtype], num_warps=t.warps,
                                      num_stages=t.stages)
     return c
 
 
 def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                   n: int, k: int, out_dtype: torch.dtype, *, blocked: bool,
+                   n: int, k: int, out_dtype: torch.dtype, *, blocked: bool, fast_accum: bool = False,
                    tiles: Tiles | None = None) -> torch.Tensor:
     """``[a_e @ b_e.T for e]`` as ``[G, N, K]``: ``a`` the flat ``[N, m_e]`` blocks, ``b`` the flat
     ``[K, m_e]`` blocks of every expert (``offsets [G+1]``, multiples of 128); zero for an expert
@@ -163,6 +176,7 @@ def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = triton.cdiv(n, t.bm), triton.cdiv(k, t.bn)
     _kgroup_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm,
-                                       BK=t.bn, BT=BLOCK, OUT=_OUT[out_dtype], num_warps=t.warps,
+                                       BK=t.bn, BT=BLOCK, IMPRECISE=_imprecise(fast_accum),
+                                       OUT=_OUT[out_dtype], num_warps=t.warps,
                                        num_stages=t.stages)
     return c

@@ -8,6 +8,7 @@ error of each Triton result against an FP32 matmul of the dequantized operands.
 GEMMs of one expert layer step (issue 5's shapes, x ``[M, K]``, w ``[E, N, K]``, dy ``[M, N]``):
 fprop ``x @ w_e.T`` (E4M3 x E4M3), dgrad ``dy @ w_e`` (E5M2 x E4M3 for tensorwise HYBRID,
 E4M3 x E4M3 for blocks), wgrad ``dy_e.T @ x_e`` (contracted over each expert's tokens).
+Accumulation as the layers ask for it: fast in fprop, FP32-promoted in dgrad and wgrad.
 Operands are random FP8 with random positive scales (never zeros), laid out as the one-launch
 segment casts leave them.
 """
@@ -39,8 +40,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 class Problem:
     """One rows problem (``a [M, K]`` against ``b [E, N, K]``) with tensor and 1x128/128x128 scales."""
 
-    def __init__(self, splits: list[int], n: int, k: int, a_dtype: torch.dtype) -> None:
-        self.splits, self.n, self.k = splits, n, k
+    def __init__(self, splits: list[int], n: int, k: int, a_dtype: torch.dtype, fast_accum: bool) -> None:
+        self.splits, self.n, self.k, self.fast = splits, n, k, fast_accum
         m, g = sum(splits), len(splits)
         self.a, self.b = _fp8((m, k), a_dtype), _fp8((g, n, k), E4)
         self.off = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
@@ -65,13 +66,14 @@ class Problem:
 
     def triton(self, blocked: bool, tiles: tg.Tiles) -> torch.Tensor:
         sa, sb = (self.sa, self.sb) if blocked else (self.st, self.st2)
-        return tg.grouped_rows(self.a, self.b, sa, sb, self.off, torch.bfloat16, blocked=blocked, tiles=tiles)
+        return tg.grouped_rows(self.a, self.b, sa, sb, self.off, torch.bfloat16, blocked=blocked,
+                               fast_accum=self.fast, tiles=tiles)
 
     def per_expert_scaled_mm(self) -> None:
         start = 0
         for e, m_e in enumerate(self.splits):
             torch._scaled_mm(self.a[start:start + m_e], self.b[e].t(), self.st[e, :1].view(()),
-                             self.st2[e, :1].view(()), out_dtype=torch.bfloat16)
+                             self.st2[e, :1].view(()), out_dtype=torch.bfloat16, use_fast_accum=self.fast)
             start += m_e
 
 
@@ -153,18 +155,19 @@ def run_shape(experts: int, tokens: int, k: int, n: int, quick: bool) -> list[li
     for gemm, ms in _bf16(experts, tokens, k, n).items():
         add(gemm, "bf16 _grouped_mm", ms)
 
-    fprop = Problem(splits, n, k, E4)
+    fprop = Problem(splits, n, k, E4, True)  # the layers' accumulation modes: fast in fprop only
     add("fprop", "per-expert _scaled_mm (tensor)", median_ms(fprop.per_expert_scaled_mm))
     xs = torch.rand(m, 1, device="cuda") + 0.5
     ws = torch.rand(experts, n, device="cuda") + 0.5
     add("fprop", "_scaled_grouped_mm (rowwise)", median_ms(lambda: torch._scaled_grouped_mm(
-        fprop.a, fprop.b.transpose(-2, -1), xs.view(-1), ws, offs=fprop.off[1:], out_dtype=torch.bfloat16)))
-    dgrad = Problem(splits, k, n, E5)  # dy [M, N] against w_e^T [K, N]
+        fprop.a, fprop.b.transpose(-2, -1), xs.view(-1), ws, offs=fprop.off[1:], out_dtype=torch.bfloat16,
+        use_fast_accum=True)))
+    dgrad = Problem(splits, k, n, E5, False)  # dy [M, N] against w_e^T [K, N]
     add("dgrad", "per-expert _scaled_mm (tensor)", median_ms(dgrad.per_expert_scaled_mm))
     wgrad = KGroupProblem(splits, n, k, E5)
     wgrad.prepare_scaled_mm()
     add("wgrad", "per-expert _scaled_mm (tensor)", median_ms(wgrad.per_expert_scaled_mm))
-    dgrad_b = Problem(splits, k, n, E4)
+    dgrad_b = Problem(splits, k, n, E4, False)
     wgrad_b = KGroupProblem(splits, n, k, E4)
 
     row_tiles = ROW_TILES[:2] if quick else ROW_TILES

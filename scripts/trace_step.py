@@ -5,7 +5,7 @@ duration and the idle gap before it, from a ``torch.profiler`` trace. Answers "t
     python scripts/trace_step.py [--cases linear-k14336 linear-k2048 grouped] [--out DIR]
 
 Writes one Chrome trace per case under ``--out`` (open in Perfetto) and prints, per case, the
-kernel sequence of the last profiled step and totals (span, busy, idle).
+kernel sequence of one profiled step (after three warm-up steps) and totals (span, busy, idle).
 """
 
 from __future__ import annotations
@@ -55,31 +55,25 @@ def _grouped_step(recipe: str) -> Callable[[], None]:
     return step
 
 
-def _kernels_of_last_step(path: str) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of the kernels (and memcpy/memset) of the last step."""
+def _device_events(path: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the kernels, copies and memsets in a Chrome trace."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    steps = sorted((e for e in events if e.get("name", "").startswith("ProfilerStep#") and e.get("ph") == "X"),
-                   key=lambda e: e["ts"])
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])
-    last = steps[-1]["ts"] if steps else 0.0
-    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in gpu if e["ts"] >= last]
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in gpu]
 
 
 def trace(name: str, fn: Callable[[], None], out: str) -> None:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    sched = torch.profiler.schedule(wait=0, warmup=1, active=2)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=sched) as prof:
-        for _ in range(3):
-            fn()
-            torch.cuda.synchronize()
-            prof.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
     path = os.path.join(out, f"trace_{name}.json")
     prof.export_chrome_trace(path)
-    kernels = _kernels_of_last_step(path)
+    kernels = _device_events(path)
     if not kernels:
         print(f"## {name}: no kernels found in the trace")
         return

@@ -32,12 +32,19 @@ QUANTIZERS = {
 }
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+# Norm-relative error bounds against the exact (FP32) per-expert products. Under the interpreter
+# the dots are exact; on an H200 FP8 MMAs accumulate in reduced precision unless promoted: bound
+# "precise" (promotion after every MMA, as dgrad/wgrad ask) tightly, "fast" (fprop) loosely.
+TOL = {False: 1e-5, True: 1e-3}
 
 
+def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
 @pytest.mark.parametrize("name", list(QUANTIZERS))
-def test_grouped_triton_gemms_match_per_expert_emulation(name: str) -> None:
+def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: bool) -> None:
     torch.manual_seed(0)
     g = len(SPLITS)
     x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
@@ -51,22 +58,29 @@ def test_grouped_triton_gemms_match_per_expert_emulation(name: str) -> None:
     off = kernels.segment_offsets(SPLITS, x.device)
     blocked = name == "block"
     m = sum(SPLITS)
+    errs = []
 
     xr, wr = [q.rowwise for q in xs], [q.rowwise for q in ws]
     want = torch.cat([core.emulate(a, b, torch.float32) for a, b in zip(xr, wr)])
     got = tg.grouped_rows(xr[0].data.as_strided((m, K), (K, 1)), wr[0].data.as_strided((g, N, K), (N * K, K, 1)),
-                          xr[0].scale_inv, wr[0].scale_inv, off, torch.float32, blocked=blocked)
-    assert _rel(got, want) < 1e-5
+                          xr[0].scale_inv, wr[0].scale_inv, off, torch.float32, blocked=blocked,
+                          fast_accum=fast_accum)
+    errs.append(_norm_rel(got, want))
 
     gr, wc = [q.rowwise for q in gs], [q.columnwise for q in ws]
     want = torch.cat([core.emulate(a, b, torch.float32) for a, b in zip(gr, wc)])
     got = tg.grouped_rows(gr[0].data.as_strided((m, N), (N, 1)), wc[0].data.as_strided((g, K, N), (K * N, N, 1)),
-                          gr[0].scale_inv, wc[0].scale_inv, off, torch.float32, blocked=blocked)
-    assert _rel(got, want) < 1e-5
+                          gr[0].scale_inv, wc[0].scale_inv, off, torch.float32, blocked=blocked,
+                          fast_accum=fast_accum)
+    errs.append(_norm_rel(got, want))
 
     dc, xc = [q.columnwise for q in gs], [q.columnwise for q in xs]
     want = torch.stack([core.emulate(a, b, torch.float32) if a.shape[1] else torch.zeros(N, K, device=DEV)
                         for a, b in zip(dc, xc)])
     got = tg.grouped_kgroup(dc[0].data, xc[0].data, dc[0].scale_inv, xc[0].scale_inv, off, N, K, torch.float32,
-                            blocked=blocked)
-    assert _rel(got, want) < 1e-5 and not got[1].any()  # the expert without tokens: zero wgrad
+                            blocked=blocked, fast_accum=fast_accum)
+    assert not got[1].any()  # the expert without tokens: zero wgrad
+    errs.append(_norm_rel(got[[0, 2, 3]], want[[0, 2, 3]]))
+    print(f"triton grouped {name} {'fast' if fast_accum else 'precise'}: fprop/dgrad/wgrad norm-rel errors "
+          + " / ".join(f"{e:.2e}" for e in errs))
+    assert max(errs) < TOL[fast_accum]
