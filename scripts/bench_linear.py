@@ -2,7 +2,12 @@
 with save_original_input off and on, torchao's Float8Linear (tensorwise, rowwise; compiled),
 and the three block-scaled GEMMs alone (the ceiling for our block Linear).
 
-    python scripts/bench_linear.py [--shapes M,N,K ...] [--recipes current block ...] [--out DIR]
+    python scripts/bench_linear.py [--shapes M,N,K ...] [--recipes current block ...] [--rounds 3] [--out DIR]
+
+Per shape every variant is timed once per round, in a rotated order, and the median of the
+rounds is reported with its spread (``benchlib.interleaved_ms``): timed one after another, a
+drift of the GPU's clocks
+over the run would favour whichever variant ran first.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from benchlib import bar_chart, markdown_table, median_ms, write_outputs
+from benchlib import bar_chart, interleaved_ms, markdown_table, write_outputs
 
 from megatron_fp8 import Linear, fp8_autocast
 from megatron_fp8 import gemm as core
@@ -74,6 +79,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples")
     ap.add_argument("--recipes", nargs="*", default=["current", "delayed", "blockwise"])
     ap.add_argument("--torchao", nargs="*", default=["tensorwise", "rowwise"], help="torchao recipes ('' for none)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
@@ -89,36 +95,36 @@ def main() -> None:
         shape, flops = f"{m}x{n}x{k}", 6 * m * n * k
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-        bf16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        bf16_ms = median_ms(_fwd_bwd(bf16, x, dy))
-        record(shape, "bf16 nn.Linear", bf16_ms, flops, bf16_ms)
-        del bf16
-        gemm_only = None
+        steps = {"bf16 nn.Linear": _fwd_bwd(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
+                                            x, dy)}
         if "blockwise" in args.recipes:
-            gemm_only = median_ms(_block_gemms_only(m, n, k))
-            record(shape, "block GEMMs only", gemm_only, flops, bf16_ms, "3 scaled_mm, no casts")
+            steps["block GEMMs only"] = _block_gemms_only(m, n, k)
         for rname in args.recipes:
-            t = {}
             for flag in (False, True):
                 layer = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
                                save_original_input=flag)
-                t[flag] = median_ms(_fwd_bwd(layer, x, dy, PRESETS[rname]))
-                note = ""
-                if flag:
-                    note = f"flag cost {t[True] / t[False] - 1:+.1%}"
-                elif rname == "blockwise" and gemm_only:
-                    note = f"{gemm_only / t[False]:.0%} of block GEMM-only"
-                record(shape, f"ours {rname} flag={'on' if flag else 'off'}", t[flag], flops, bf16_ms, note)
-                del layer
-        if args.torchao:
-            for ao in args.torchao:
-                try:
-                    mod = _torchao(k, n, ao)
-                    record(shape, f"torchao {ao} (compiled)", median_ms(_fwd_bwd(mod, x, dy)), flops, bf16_ms)
-                except Exception as e:  # report, never hide
-                    rows.append([shape, f"torchao {ao}", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
-                    print(rows[-1], flush=True)
-        del x, dy
+                steps[f"ours {rname} flag={'on' if flag else 'off'}"] = _fwd_bwd(layer, x, dy, PRESETS[rname])
+        failed = []
+        for ao in args.torchao:
+            try:
+                steps[f"torchao {ao} (compiled)"] = _fwd_bwd(_torchao(k, n, ao), x, dy)
+            except Exception as e:  # report, never hide
+                failed.append([shape, f"torchao {ao}", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
+        timed = interleaved_ms(steps, args.rounds)
+        bf16_ms = timed["bf16 nn.Linear"][0]
+        for name, (ms, spread) in timed.items():
+            note = f"spread {spread:.1%}"
+            if name.endswith("flag=on"):
+                note += f"; flag cost {ms / timed[name[:-2] + 'ff'][0] - 1:+.1%}"
+            elif name == "ours blockwise flag=off" and "block GEMMs only" in timed:
+                note += f"; {timed['block GEMMs only'][0] / ms:.0%} of block GEMM-only"
+            elif name == "block GEMMs only":
+                note += "; 3 scaled_mm, no casts"
+            record(shape, name, ms, flops, bf16_ms, note)
+        for row in failed:
+            rows.append(row)
+            print(row, flush=True)
+        del x, dy, steps
         torch.cuda.empty_cache()
     header = ["M x N x K", "path", "ms fwd+bwd", "TFLOP/s", "vs BF16", "note"]
     md = markdown_table(header, rows)

@@ -33,6 +33,23 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
     return statistics.median(times)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """``{name: (median ms, spread)}``, every function timed once per round, the order rotated
+    each round, the median over rounds reported; spread = (max - min) / median over rounds.
+    Timed one after another, a drift of the GPU's clocks over the run would favour whichever
+    variant ran first; interleaved, the drift is spread over all of them."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(median_ms(fns[name]))
+    out = {}
+    for name, ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        out[name] = (med, (max(ts) - min(ts)) / med)
+    return out
+
+
 def host_and_device_ms(fn: Callable[[], object], n: int = 20) -> tuple[float, float]:
     """(host ms per call, device ms per call) over ``n`` back-to-back calls (CUDA): equal when
     the calls are launch-bound, host far below device when the GPU is the limit."""
