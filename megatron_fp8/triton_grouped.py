@@ -121,10 +121,11 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
 
 def _imprecise(fast_accum: bool) -> int | None:
     """``max_num_imprecise_acc`` of the FP8 dots on SM90: Triton's default (None: the tensor cores'
-    reduced-precision accumulator throughout, like cuBLAS's fast accumulation) or 0 (promote
-    to FP32 after every MMA instruction, like cuBLAS's default). Block-scaled products are also
-    promoted at every 128-deep scaling step."""
-    return None if fast_accum else 0
+    reduced-precision accumulator throughout, like cuBLAS's fast accumulation) or 128 (sums
+    promoted to FP32 after every 128-deep K step, i.e. every four MMA instructions, the promotion
+    interval CUTLASS's SM90 FP8 kernels use when fast accumulation is off). Block-scaled products
+    are promoted at every 128-deep scaling step either way."""
+    return None if fast_accum else BLOCK
 
 
 _OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -1,7 +1,7 @@
 """Cast-cost breakdown (GPU): time each quantizer call of a Linear step, compiled and eager,
 against the bytes it must move. Prints a table; used to find where the Linear loses time.
 
-    python scripts/profile_casts.py [--shape M,N,K]
+    python scripts/profile_casts.py [--shape M,N,K] [--warps 4 8 16]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import torch
 from benchlib import markdown_table, median_ms
 
-from megatron_fp8.quant import make_quantizer
+from megatron_fp8.quant import make_quantizer, triton_cast
 from megatron_fp8.recipe import PRESETS, TensorRole
 
 
@@ -21,14 +21,17 @@ def main() -> None:
     ap.add_argument("--shape", default="16384,14336,4096")
     ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     ap.add_argument("--backends", nargs="*", default=["auto"])
+    ap.add_argument("--warps", nargs="*", type=int, default=[triton_cast.CAST_WARPS],
+                    help="warps per cast tile to compare (triton_cast.CAST_WARPS)")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split(","))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for backend in args.backends:
+    for backend, warps in ((b, w) for b in args.backends for w in args.warps):
         os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
+        triton_cast.CAST_WARPS = warps
         for rname in args.recipes:
             r = PRESETS[rname]
             for role, t, kw in ((TensorRole.INPUT, x, dict(rowwise=True, columnwise=True)),
@@ -40,11 +43,11 @@ def main() -> None:
                 ms = median_ms(lambda q=q, t=t, kw=kw: q.quantize(t, **kw), rep_ms=100)
                 copies = int(kw["rowwise"]) + int(kw["columnwise"])
                 nbytes = t.numel() * (2 + copies)
-                rows.append([backend, rname, role.value,
+                rows.append([backend, warps, rname, role.value,
                              f"{'r' if kw['rowwise'] else ''}{'c' if kw['columnwise'] else ''}",
                              ms * 1e3, nbytes / ms / 1e6])
                 print(rows[-1], flush=True)
-    print(markdown_table(["casts", "recipe", "tensor", "copies", "us", "GB/s"], rows))
+    print(markdown_table(["casts", "warps", "recipe", "tensor", "copies", "us", "GB/s"], rows))
 
 
 if __name__ == "__main__":

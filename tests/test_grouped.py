@@ -110,7 +110,11 @@ def _run_refs(refs: list[mf.Linear], splits: list[int], recipe, steps: int, mult
 
 @pytest.mark.parametrize("case", ["aligned", "ragged"])
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_grouped_equals_separate_linears_and_flag_is_neutral(name: str, case: str) -> None:
+def test_grouped_equals_separate_linears_and_flag_is_neutral(name: str, case: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # the per-expert GEMM family (emulated here, cuBLAS on a GPU) is what equals separate Linears bit
+    # for bit; the one-launch Triton kernels (a GPU, or TRITON_INTERPRET) are only close to it
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "torch")
     recipe, splits = RECIPES[name], _splits(case, name)
     bias = case == "ragged"
     results = {}

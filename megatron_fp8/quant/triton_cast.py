@@ -57,6 +57,7 @@ import triton.language as tl
 from .formats import fp8_max
 
 TILE = 128
+CAST_WARPS = 8  # warps per 128x128 cast tile (scripts/profile_casts.py --warps sweeps it)
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 SCALE_STRIDE = tl.constexpr(STRIDE)
@@ -206,8 +207,8 @@ def _cast_tile_kernel(
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
         if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
             eid = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
-            start = tl.load(seg_ptr + eid)
-            length = tl.load(seg_ptr + eid + 1) - start
+            start = tl.multiple_of(tl.load(seg_ptr + eid), T)  # the hints keep the stores vectorized
+            length = tl.multiple_of(tl.load(seg_ptr + eid + 1) - start, T)
         else:  # tensor mode only: a tile may span segments, so per row ([1, T] for the transposed store)
             eid = _segment_of(rows64, seg_ptr, n_seg)
             start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[None, :]
@@ -448,7 +449,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=8, **extra,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=CAST_WARPS, **extra,
     )
     return row, row_s, col, col_s
 
