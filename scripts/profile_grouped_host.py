@@ -1,0 +1,60 @@
+"""Host cost of one GroupedLinear training step (GPU): host vs device milliseconds per step for
+each grouped-GEMM path (``MEGATRON_FP8_GROUPED_GEMM``) and recipe, and where the host's time goes
+(cProfile, own time) for the default path. A step whose host time matches its device time is
+launch/Python-bound: the GPU waits on us.
+
+    python scripts/profile_grouped_host.py [--experts 8] [--tokens 2048] [--k 4096] [--n 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from benchlib import host_and_device_ms, markdown_table
+from profile_steps import _host_profile
+
+from megatron_fp8 import fp8_autocast
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.recipe import PRESETS
+
+
+def _step(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int], recipe) -> None:
+    x.grad = None
+    for w in layer.weights:
+        w.grad = None
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x, splits)
+    y.backward(dy)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--paths", nargs="*", default=["auto", "triton", "torch", "loop"])
+    p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    args = p.parse_args()
+    splits = [args.tokens] * args.experts
+    x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    layer = GroupedLinear(args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for path in args.paths:
+        os.environ["MEGATRON_FP8_GROUPED_GEMM"] = path
+        for rname in args.recipes:
+            host, dev = host_and_device_ms(lambda r=PRESETS[rname]: _step(layer, x, dy, splits, r))
+            rows.append([path, rname, host, dev])
+            print(rows[-1], flush=True)
+    print(markdown_table(["grouped GEMM path", "recipe", "host ms/step", "device ms/step"], rows))
+    os.environ["MEGATRON_FP8_GROUPED_GEMM"] = "auto"
+    for rname in args.recipes:
+        print(f"## {rname} (auto), Python own time over 10 steps\n"
+              f"{_host_profile(lambda r=PRESETS[rname]: _step(layer, x, dy, splits, r), 30)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
