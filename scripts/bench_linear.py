@@ -115,7 +115,7 @@ def main() -> None:
         for name, (ms, spread) in timed.items():
             note = f"spread {spread:.1%}"
             if name.endswith("flag=on"):
-                note += f"; flag cost {ms / timed[name[:-2] + 'ff'][0] - 1:+.1%}"
+                note += f"; flag cost {ms / timed[name[:-len('on')] + 'off'][0] - 1:+.1%}"
             elif name == "ours blockwise flag=off" and "block GEMMs only" in timed:
                 note += f"; {timed['block GEMMs only'][0] / ms:.0%} of block GEMM-only"
             elif name == "block GEMMs only":
