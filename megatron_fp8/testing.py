@@ -1,9 +1,10 @@
-"""Small reference modules shared by tests, examples and benchmarks."""
+"""Small reference modules and helpers shared by tests, examples and benchmarks."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -59,3 +60,24 @@ class AttentionCore(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return flash_like_attention(x, x, x)
+
+
+T = TypeVar("T")
+
+
+def capture_step(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture a whole training step (forward, backward) in one CUDA graph, as in PyTorch's
+    whole-network capture recipe: ``warmup`` eager calls on a side stream (Triton compiles,
+    caches fill), then one captured call. Returns the graph and the captured call's result
+    (its tensors, like the inputs' ``.grad``, are the graph's static outputs: each ``replay()``
+    rewrites them). Inputs must be static tensors the caller refills with ``copy_``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -7,10 +7,15 @@ Shapes (issue 5): 8 experts x 2048 tokens each, (K=4096, N=2048) and (K=2048, N=
 FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.
 BF16 baseline: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` forward; backward as two
 explicit grouped calls (dgrad ``dy @ w``, wgrad ``dy.T @ x`` grouped along the tokens).
-Our FP8 path: one launch casts every expert's input (per-expert scales), then one native
-``scaled_mm`` per expert (``torch._scaled_grouped_mm`` takes rowwise scales only, which no recipe
-of ours uses; its GEMM-only forward is shown as a peer). "fwd" runs under ``no_grad`` (no
-columnwise casts); "fwd+bwd" is the training step, the number the targets are about.
+Our FP8 path: one launch casts every expert's input (per-expert scales), one launch per GEMM
+(``gemm.grouped_gemm_cat`` / ``grouped_wgrad``: the Triton grouped kernels by default,
+``MEGATRON_FP8_GROUPED_GEMM`` picks others); the rowwise ``torch._scaled_grouped_mm`` GEMM-only
+forward is shown as a peer. "fwd" runs under ``no_grad`` (no columnwise casts); "fwd+bwd" is the
+training step (x requires grad: fprop, dgrad and wgrad, as the BF16 baseline runs; before
+2026-12-02 x did not, so earlier FP8 fwd+bwd figures lacked dgrad), the number the targets are
+about. "(CUDA graph)" rows replay the same step from a captured graph
+(``megatron_fp8.testing.capture_step``), compared with the BF16 step graphed the same way:
+what the GPU does once the host's launch cost is gone (Megatron's CUDA-graph options).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from benchlib import bar_chart, markdown_table, median_ms, write_outputs
 from megatron_fp8 import fp8_autocast
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import capture_step
 
 SHAPES = [(4096, 2048), (2048, 7168)]  # (K, N)
+GRAPHED = ("current", "blockwise")  # stateless recipes: a replayed step is the eager step
 
 
 def _bf16_grouped(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor):
@@ -70,6 +77,7 @@ def _fp8_grouped(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits
             layer(x, splits, is_first_microbatch=first)
 
     def fwd_bwd() -> None:
+        x.grad = None
         for w in layer.weights:
             w.grad = None
         with fp8_autocast(fp8_recipe=recipe):
@@ -82,7 +90,7 @@ def _fp8_grouped(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits
 def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -> list[list[object]]:
     m = experts * tokens
     splits = [tokens] * experts
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # dgrad is part of the step
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * tokens
@@ -94,22 +102,31 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -
         rows.append([name, t_f, fl_f / t_f / 1e9, *fb, note])
         print(rows[-1], flush=True)
 
-    fwd, fwd_bwd = _bf16_grouped(x, w, dy, offs)
+    fwd, fwd_bwd = _bf16_grouped(x.detach(), w, dy, offs)
     base_f, base_fb = median_ms(fwd), median_ms(fwd_bwd)
     add("bf16 _grouped_mm", base_f, base_fb)
+    graph_f, graph_fb = median_ms(capture_step(fwd)[0].replay), median_ms(capture_step(fwd_bwd)[0].replay)
+    add("bf16 _grouped_mm (CUDA graph)", graph_f, graph_fb)
     try:
-        add("fp8 rowwise _scaled_grouped_mm (GEMM only)", median_ms(_rowwise_grouped_gemm_only(x, w, offs)), None,
-            "pre-cast operands, no casts")
+        add("fp8 rowwise _scaled_grouped_mm (GEMM only)", median_ms(_rowwise_grouped_gemm_only(x.detach(), w, offs)),
+            None, "pre-cast operands, no casts")
     except Exception as e:  # report, never hide
         rows.append(["fp8 rowwise _scaled_grouped_mm", "-", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:100]])
     for name in recipes:
-        for flag, cached in ((False, False), (True, False), (False, True)):
+        for flag, cached, graphed in ((False, False, False), (True, False, False), (False, True, False),
+                                      (False, False, True), (True, False, True)):
+            if graphed and name not in GRAPHED:
+                continue
             layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
                                   save_original_input=flag)
             f, fb = _fp8_grouped(layer, x, dy, splits, PRESETS[name], cached)
+            if graphed:  # the same step replayed from a graph: the host's launch cost taken away
+                f, fb = capture_step(f)[0].replay, capture_step(fb)[0].replay
             t_f, t_fb = median_ms(f), median_ms(fb)
-            add(f"fp8 {name} flag={'on' if flag else 'off'}{' weights cached' if cached else ''}", t_f, t_fb,
-                f"{base_fb / t_fb:.2f}x BF16 fwd+bwd, {base_f / t_f:.2f}x fwd")
+            ref_f, ref_fb = (graph_f, graph_fb) if graphed else (base_f, base_fb)
+            add(f"fp8 {name} flag={'on' if flag else 'off'}{' weights cached' if cached else ''}"
+                f"{' (CUDA graph)' if graphed else ''}", t_f, t_fb,
+                f"{ref_fb / t_fb:.2f}x BF16{' graphed' if graphed else ''} fwd+bwd, {ref_f / t_f:.2f}x fwd")
             del layer
     return rows
 

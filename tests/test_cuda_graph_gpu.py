@@ -1,0 +1,69 @@
+"""Our layers inside a CUDA graph (skip without CUDA; run on the device machine).
+
+Launch-bound steps (small K, grouped experts) run at the GPU's pace only when the host's launches
+are replayed from a graph (Megatron's CUDA-graph options, TE's make_graphed_callables). A whole
+training step of a Linear or a GroupedLinear must therefore be capturable: no host syncs, no
+host-side state the replay would miss. Bitwise: a replay on fresh data equals an eager step of
+an identical layer on the same data (same kernels), for current scaling and 1x128/128x128 blocks
+(stateless recipes; delayed scaling's history would advance differently between the two), with
+save_original_input off and on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import capture_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+M, K, N = 512, 384, 256
+SPLITS = [128, 0, 256, 128]
+
+
+def _module(kind: str, flag: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "linear":
+        return mf.Linear(K, N, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+    return GroupedLinear(len(SPLITS), K, N, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+
+
+def _stepper(module: torch.nn.Module, kind: str, recipe, x: torch.Tensor, dy: torch.Tensor):
+    params = list(module.parameters())
+
+    def step() -> list[torch.Tensor]:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = module(x) if kind == "linear" else module(x, SPLITS)
+        y.backward(dy)
+        return [y, x.grad, *(p.grad for p in params)]
+
+    return step
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "flag-on"])
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_step_replays_bitwise(kind: str, recipe: str, flag: bool) -> None:
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_()
+    dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16).normal_()
+    graph, outs = capture_step(_stepper(_module(kind, flag), kind, PRESETS[recipe], x, dy))
+    eager = _module(kind, flag)
+    for seed in (1, 2):  # two fresh inputs: the replay reads its inputs, not what it captured
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.no_grad():
+            x.copy_(x_new)
+        dy.copy_(dy_new)
+        graph.replay()
+        xe = x_new.clone().requires_grad_()
+        want = _stepper(eager, kind, PRESETS[recipe], xe, dy_new)()
+        assert len(want) == len(outs)
+        for i, (got, ref) in enumerate(zip(outs, want)):
+            assert torch.equal(got, ref), f"{kind} {recipe} flag={flag} data {seed}: output {i} differs"
