@@ -8,6 +8,8 @@ Per shape every variant is timed once per round, in a rotated order, and the med
 rounds is reported with its spread (``benchlib.interleaved_ms``): timed one after another, a
 drift of the GPU's clocks
 over the run would favour whichever variant ran first.
+"(CUDA graph)" rows replay the same step from a captured graph (``megatron_fp8.testing.capture_step``):
+the GPU's pace with the host's launch cost gone, against BF16 graphed the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from megatron_fp8 import Linear, fp8_autocast
 from megatron_fp8 import gemm as core
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.recipe import PRESETS, Float8BlockScaling, TensorRole
+from megatron_fp8.testing import capture_step
 
+GRAPHED = ("current", "blockwise")  # stateless recipes: a replayed step is the eager step
 SHAPES = [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (16384, 7168, 2048)]
 
 
@@ -79,6 +83,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples")
     ap.add_argument("--recipes", nargs="*", default=["current", "delayed", "blockwise"])
     ap.add_argument("--torchao", nargs="*", default=["tensorwise", "rowwise"], help="torchao recipes ('' for none)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="skip the CUDA-graph replays of our current/blockwise steps and of BF16")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median reported)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -104,6 +110,11 @@ def main() -> None:
                 layer = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
                                save_original_input=flag)
                 steps[f"ours {rname} flag={'on' if flag else 'off'}"] = _fwd_bwd(layer, x, dy, PRESETS[rname])
+                if args.graphs and rname in GRAPHED:  # same step, replayed: no host launch cost
+                    steps[f"ours {rname} flag={'on' if flag else 'off'} (CUDA graph)"] = capture_step(
+                        _fwd_bwd(layer, x, dy, PRESETS[rname]))[0].replay
+        if args.graphs:
+            steps["bf16 nn.Linear (CUDA graph)"] = capture_step(steps["bf16 nn.Linear"])[0].replay
         failed = []
         for ao in args.torchao:
             try:
@@ -114,8 +125,8 @@ def main() -> None:
         bf16_ms = timed["bf16 nn.Linear"][0]
         for name, (ms, spread) in timed.items():
             note = f"spread {spread:.1%}"
-            if name.endswith("flag=on"):
-                note += f"; flag cost {ms / timed[name[:-len('on')] + 'off'][0] - 1:+.1%}"
+            if "flag=on" in name:
+                note += f"; flag cost {ms / timed[name.replace('flag=on', 'flag=off')][0] - 1:+.1%}"
             elif name == "ours blockwise flag=off" and "block GEMMs only" in timed:
                 note += f"; {timed['block GEMMs only'][0] / ms:.0%} of block GEMM-only"
             elif name == "block GEMMs only":
