@@ -121,7 +121,12 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -
                                   save_original_input=flag)
             f, fb = _fp8_grouped(layer, x, dy, splits, PRESETS[name], cached)
             if graphed:  # the same step replayed from a graph: the host's launch cost taken away
-                f, fb = capture_step(f)[0].replay, capture_step(fb)[0].replay
+                try:
+                    f, fb = capture_step(f)[0].replay, capture_step(fb)[0].replay
+                except Exception as e:  # report, never hide
+                    rows.append([f"fp8 {name} (CUDA graph)", "-", "-", "-", "-",
+                                 f"failed: {type(e).__name__}: {e}"[:100]])
+                    continue
             t_f, t_fb = median_ms(f), median_ms(fb)
             ref_f, ref_fb = (graph_f, graph_fb) if graphed else (base_f, base_fb)
             add(f"fp8 {name} flag={'on' if flag else 'off'}{' weights cached' if cached else ''}"

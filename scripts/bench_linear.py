@@ -103,6 +103,7 @@ def main() -> None:
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         steps = {"bf16 nn.Linear": _fwd_bwd(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
                                             x, dy)}
+        failed = []
         if "blockwise" in args.recipes:
             steps["block GEMMs only"] = _block_gemms_only(m, n, k)
         for rname in args.recipes:
@@ -111,11 +112,13 @@ def main() -> None:
                                save_original_input=flag)
                 steps[f"ours {rname} flag={'on' if flag else 'off'}"] = _fwd_bwd(layer, x, dy, PRESETS[rname])
                 if args.graphs and rname in GRAPHED:  # same step, replayed: no host launch cost
-                    steps[f"ours {rname} flag={'on' if flag else 'off'} (CUDA graph)"] = capture_step(
-                        _fwd_bwd(layer, x, dy, PRESETS[rname]))[0].replay
+                    name = f"ours {rname} flag={'on' if flag else 'off'} (CUDA graph)"
+                    try:
+                        steps[name] = capture_step(_fwd_bwd(layer, x, dy, PRESETS[rname]))[0].replay
+                    except Exception as e:  # report, never hide
+                        failed.append([shape, name, "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
         if args.graphs:
             steps["bf16 nn.Linear (CUDA graph)"] = capture_step(steps["bf16 nn.Linear"])[0].replay
-        failed = []
         for ao in args.torchao:
             try:
                 steps[f"torchao {ao} (compiled)"] = _fwd_bwd(_torchao(k, n, ao), x, dy)
