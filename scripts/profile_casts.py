@@ -21,8 +21,8 @@ def main() -> None:
     ap.add_argument("--shape", default="16384,14336,4096")
     ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     ap.add_argument("--backends", nargs="*", default=["auto"])
-    ap.add_argument("--warps", nargs="*", default=["rule"],
-                    help="warps per cast tile to compare: integers, or 'rule' (triton_cast._cast_warps)")
+    ap.add_argument("--warps", nargs="*", type=int, default=[triton_cast.CAST_WARPS],
+                    help="warps per cast tile to compare (triton_cast.CAST_WARPS)")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split(","))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -31,7 +31,7 @@ def main() -> None:
     rows = []
     for backend, warps in ((b, w) for b in args.backends for w in args.warps):
         os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
-        triton_cast.CAST_WARPS = None if warps == "rule" else int(warps)
+        triton_cast.CAST_WARPS = warps
         for rname in args.recipes:
             r = PRESETS[rname]
             for role, t, kw in ((TensorRole.INPUT, x, dict(rowwise=True, columnwise=True)),

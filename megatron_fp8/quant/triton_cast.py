@@ -57,7 +57,7 @@ import triton.language as tl
 from .formats import fp8_max
 
 TILE = 128
-CAST_WARPS: int | None = None  # warps per 128x128 cast tile; None: _cast_warps' rule (profile_casts --warps)
+CAST_WARPS = 8  # warps per 128x128 cast tile (scripts/profile_casts.py --warps sweeps it)
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 SCALE_STRIDE = tl.constexpr(STRIDE)
@@ -419,18 +419,6 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
-def _cast_warps(mode: str, rowwise: bool, columnwise: bool) -> int:
-    """Warps per cast tile (results do not depend on it: casts are elementwise, amaxes exact).
-    Measured on an H200 (2026-12-02, ``profile_casts.py --warps 4 8 16``, x 16384x14336 bf16):
-    4 warps ran the per-tensor row+column cast in 382 us vs 495 (8) and the 1x128 column-only
-    cast in 278 us vs 326; 8 warps ran the 1x128 row cast in 184 us vs 216 and the 128x128 weight
-    cast in 71 us vs 117; the rest within a few percent. ``CAST_WARPS`` overrides."""
-    if CAST_WARPS is not None:
-        return CAST_WARPS
-    narrow = (mode == "tensor" and rowwise and columnwise) or (mode == "1x128" and columnwise and not rowwise)
-    return 4 if narrow else 8
-
-
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
             fused: _Fused | None = None,
@@ -461,8 +449,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=_cast_warps(mode, rowwise, columnwise),
-        **extra,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=CAST_WARPS, **extra,
     )
     return row, row_s, col, col_s
 
