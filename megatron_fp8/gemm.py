@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -234,6 +235,12 @@ def emulate(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
+def _record(name: str, backend: Backend, a: Operand, b: Operand, mnk: tuple[int, int, int]) -> None:
+    """Tell every open ``record_gemms()`` which GEMM ran on which backend."""
+    for calls in _state.records:
+        calls.append(GemmCall(name, backend, (a.layout, b.layout), mnk))
+
+
 def gemm(
     a: Operand,
     b: Operand,
@@ -247,8 +254,7 @@ def gemm(
     if k != kb:
         raise ValueError(f"{name}: contraction dims differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
     backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
-    for calls in _state.records:
-        calls.append(GemmCall(name, backend, (a.layout, b.layout), (m, n, k)))
+    _record(name, backend, a, b, (m, n, k))
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if backend is Backend.NATIVE:
@@ -320,8 +326,7 @@ def _grouped_native(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch
     scale = torch.stack([ai.scale_inv.reshape(()) for ai in a]) * torch.stack([bi.scale_inv.reshape(()) for bi in b])
     off = segment_offsets(splits, dev)
     row_scale = torch.repeat_interleave(scale, off.diff(), output_size=m)
-    for calls in _state.records:
-        calls.append(GemmCall(f"{name}[grouped]", Backend.NATIVE, (a0.layout, b0.layout), (m, n, k)))
+    _record(f"{name}[grouped]", Backend.NATIVE, a0, b0, (m, n, k))
     return torch._scaled_grouped_mm(a_all, b_all.transpose(-2, -1), row_scale, _ones(g, n, dev),
                                     offs=off[1:].to(torch.int32), out_dtype=torch.bfloat16,
                                     use_fast_accum=fast_accum)
@@ -382,35 +387,44 @@ def _scales_laid_out(ops: Sequence[Operand], starts: Sequence[int], kind: str, w
     return _strided_from(scales, [st // 128 * width for st in starts])
 
 
+def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype,
+                           splits: Sequence[int], blocked: bool) -> list[int] | None:
+    """The experts' first rows (tokens) where a one-launch Triton grouped GEMM may take the
+    operands: more than one expert, the path allowed and Triton here, an output dtype it writes,
+    tensorwise operands or the block pair the caller checked, every split a multiple of 128 and
+    each operand's experts back to back in one buffer. None otherwise."""
+    a0, b0 = a[0], b[0]
+    if not (len(a) > 1 and _grouped_backend() in ("auto", "triton") and _triton_grouped_here(a0.data.device)
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)
+            and back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])):
+        return None
+    return list(itertools.accumulate(splits[:-1], initial=0))
+
+
 def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
                          name: str) -> torch.Tensor | None:
     """``cat_i(a_i @ b_i.T)`` in one Triton launch (``triton_grouped.grouped_rows``) where the
-    operands are laid out for it: every expert's rows a multiple of 128, operands back to back,
-    tensorwise (any FP8 pair) or 1x128 x 128x128 scales. None otherwise."""
+    operands are laid out for it (``_triton_grouped_starts``; every expert's weight the same shape;
+    tensorwise, any FP8 pair, or 1x128 x 128x128 scales). None otherwise."""
     a0, b0 = a[0], b[0]
-    dev = a0.data.device
-    blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
-    if not (len(a) > 1 and _triton_grouped_here(dev) and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (blocked or a0.layout is b0.layout is L.TENSOR)):
-        return None
     (_, k), (n, _) = a0.shape, b0.shape
     splits = [ai.shape[0] for ai in a]
-    if any(s % 128 for s in splits) or any(bi.shape != b0.shape for bi in b) or (blocked and (n % 128 or k % 128)):
-        return None
-    starts = [sum(splits[:i]) for i in range(len(splits))]
-    if not (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])
-            and _scales_laid_out(a, starts, "rows", k // 128) and _scales_laid_out(b, starts, "weights", 0)):
+    blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
+    starts = _triton_grouped_starts(a, b, out_dtype, splits, blocked)
+    if (starts is None or any(bi.shape != b0.shape for bi in b) or (blocked and (n % 128 or k % 128))
+            or not (_scales_laid_out(a, starts, "rows", k // 128) and _scales_laid_out(b, starts, "weights", 0))):
         return None
     from . import triton_grouped
     from .quant.kernels import segment_offsets
 
     m, g = sum(splits), len(a)
-    for calls in _state.records:
-        calls.append(GemmCall(f"{name}[triton]", Backend.NATIVE, (a0.layout, b0.layout), (m, n, k)))
+    _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (m, n, k))
     a_all = _base(a0.data).as_strided((m, k), (k, 1))
     b_all = _base(b0.data).as_strided((g, n, k), (n * k, k, 1))
     return triton_grouped.grouped_rows(a_all, b_all, _base(a0.scale_inv), _base(b0.scale_inv),
-                                       segment_offsets(splits, dev), out_dtype, blocked=blocked, fast_accum=fast_accum)
+                                       segment_offsets(splits, a0.data.device), out_dtype, blocked=blocked,
+                                       fast_accum=fast_accum)
 
 
 def grouped_wgrad(
@@ -424,26 +438,18 @@ def grouped_wgrad(
     each expert's tokens): one Triton launch (``triton_grouped.grouped_kgroup``) where they are
     laid out for it, else ``grouped_gemm``."""
     a0, b0 = a[0], b[0]
-    dev = a0.data.device
+    (n, _), (k, _) = a0.shape, b0.shape
     splits = [ai.shape[1] for ai in a]
     blocked = a0.layout is b0.layout is L.BLOCK_1x128
-    ok = (len(a) > 1 and _grouped_backend() in ("auto", "triton") and _triton_grouped_here(dev)
-          and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-          and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits))
-    if ok:
-        (n, _), (k, _) = a0.shape, b0.shape
-        starts = [sum(splits[:i]) for i in range(len(splits))]
-        ok = (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])
-              and _scales_laid_out(a, starts, "tokens", n) and _scales_laid_out(b, starts, "tokens", k))
-    if not ok:
+    starts = _triton_grouped_starts(a, b, out_dtype, splits, blocked)
+    if starts is None or not (_scales_laid_out(a, starts, "tokens", n) and _scales_laid_out(b, starts, "tokens", k)):
         return grouped_gemm(a, b, out_dtype, name=name)
     from . import triton_grouped
     from .quant.kernels import segment_offsets
 
-    for calls in _state.records:
-        calls.append(GemmCall(f"{name}[triton]", Backend.NATIVE, (a0.layout, b0.layout), (n, k, sum(splits))))
+    _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (n, k, sum(splits)))
     out = triton_grouped.grouped_kgroup(_base(a0.data), _base(b0.data), _base(a0.scale_inv), _base(b0.scale_inv),
-                                        segment_offsets(splits, dev), n, k, out_dtype, blocked=blocked)
+                                        segment_offsets(splits, a0.data.device), n, k, out_dtype, blocked=blocked)
     return list(out.unbind(0))
 
 
@@ -462,9 +468,8 @@ def grouped_gemm_cat(
     and 3.63 ms with ``torch._scaled_grouped_mm`` first, whose scale set-up costs ~10 small
     launches), then torch's; ``torch`` uses torch's only (bitwise equal to the per-expert cuBLAS
     GEMMs); ``loop`` one ``scaled_mm`` per expert."""
-    backend = _grouped_backend()
-    out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name) if backend in ("auto", "triton") else None
-    if out is None and backend in ("auto", "torch"):
+    out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name)
+    if out is None and _grouped_backend() in ("auto", "torch"):
         out = _grouped_native(a, b, out_dtype, fast_accum, name)
     if out is not None:
         return out

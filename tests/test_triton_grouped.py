@@ -62,18 +62,13 @@ def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: 
     errs = []
 
     xr, wr = [q.rowwise for q in xs], [q.rowwise for q in ws]
-    want = torch.cat([core.emulate(a, b, torch.float32) for a, b in zip(xr, wr)])
-    got = tg.grouped_rows(xr[0].data.as_strided((m, K), (K, 1)), wr[0].data.as_strided((g, N, K), (N * K, K, 1)),
-                          xr[0].scale_inv, wr[0].scale_inv, off, torch.float32, blocked=blocked,
-                          fast_accum=fast_accum)
-    errs.append(_norm_rel(got, want))
-
     gr, wc = [q.rowwise for q in gs], [q.columnwise for q in ws]
-    want = torch.cat([core.emulate(a, b, torch.float32) for a, b in zip(gr, wc)])
-    got = tg.grouped_rows(gr[0].data.as_strided((m, N), (N, 1)), wc[0].data.as_strided((g, K, N), (K * N, N, 1)),
-                          gr[0].scale_inv, wc[0].scale_inv, off, torch.float32, blocked=blocked,
-                          fast_accum=fast_accum)
-    errs.append(_norm_rel(got, want))
+    for a, b, k, n in ((xr, wr, K, N), (gr, wc, N, K)):  # fprop x @ w.T, dgrad dy @ w
+        want = torch.cat([core.emulate(ai, bi, torch.float32) for ai, bi in zip(a, b)])
+        got = tg.grouped_rows(a[0].data.as_strided((m, k), (k, 1)), b[0].data.as_strided((g, n, k), (n * k, k, 1)),
+                              a[0].scale_inv, b[0].scale_inv, off, torch.float32, blocked=blocked,
+                              fast_accum=fast_accum)
+        errs.append(_norm_rel(got, want))
 
     dc, xc = [q.columnwise for q in gs], [q.columnwise for q in xs]
     want = torch.stack([core.emulate(a, b, torch.float32) if a.shape[1] else torch.zeros(N, K, device=DEV)
