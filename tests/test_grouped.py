@@ -173,14 +173,17 @@ def test_saved_bytes_exact(name: str) -> None:
     mult = MULTIPLE[name]
     padded = [m + (-m) % mult for m in splits]
     per_tensor = name in ("delayed", "current")
-    # a one-launch expert cast (current scaling, CUDA or Triton's interpreter) keeps the experts'
+    # a one-launch expert cast (per-tensor recipes, CUDA or Triton's interpreter) keeps the experts'
     # scales 16 bytes apart in one buffer (cuBLAS alignment): 16 bytes per expert instead of 4
-    scale_bytes = 16 if name == "current" and kernels.segments_fused(x, True) else 4
+    scale_bytes = 16 if per_tensor and kernels.segments_fused(x, True) else 4
     # default: each expert's (padded) columnwise FP8 copy of its tokens and its scales
     assert got[False].activation_bytes == sum(
         m * K + (scale_bytes if per_tensor else _col_scale_bytes(name, m)) for m in padded)
-    # flagged: the original x once, plus each expert's per-tensor scale
-    assert got[True].activation_bytes == x.untyped_storage().nbytes() + (scale_bytes * len(splits) if per_tensor else 0)
+    # flagged: the original x once, plus each expert's per-tensor scale (delayed scaling keeps its
+    # quantizers' own 4-byte scale tensors, current scaling the one-launch cast's aligned buffer)
+    kept_scale_bytes = 4 if name == "delayed" else scale_bytes
+    assert got[True].activation_bytes == x.untyped_storage().nbytes() + (
+        kept_scale_bytes * len(splits) if per_tensor else 0)
     assert got[False].parameter_bytes == got[True].parameter_bytes > 0
 
 

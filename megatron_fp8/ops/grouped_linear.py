@@ -20,11 +20,11 @@ Per-tensor scales are per expert, not one for the whole ``x``: that keeps the la
 list of separate Linears (and keeps a hot expert's amax from flattening a cold one's values).
 
 On CUDA ``Quantizer.quantize_segments`` casts every expert in one launch where it can (current
-scaling: per-expert amaxes and scales in two more launches; 1x128 when every count is a multiple
+scaling: per-expert amaxes and scales in two more launches; delayed scaling: one amax launch,
+each expert's history and scale kept in its own quantizer; 1x128 when every count is a multiple
 of 128), with the same bits as the per-expert casts above; the per-expert scales then share one
 buffer, 16 bytes apart (cuBLAS rejects unaligned scale pointers): 16 saved bytes per expert scale
-instead of 4. Delayed scaling (per-expert state) and padded
-1x128/1x32 casts stay per expert.
+instead of 4. Padded 1x128/1x32 casts stay per expert.
 
 Zero padding of the columnwise copies: a 1x128 (1x32) columnwise block runs along the tokens
 of one expert, so an expert whose count is not a multiple of the block gets zero rows appended

@@ -306,6 +306,46 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
         return self.scale, torch.reciprocal(self.scale)
 
+    def _config(self) -> tuple[Any, ...]:
+        return (*super()._config(), self.recipe, self.group)
+
+    def casts_segments(self, x: torch.Tensor) -> bool:
+        return kernels.segments_fused(x, columnwise=True)
+
+    def quantize_segments(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        *,
+        peers: Sequence[Quantizer],
+        rowwise: bool,
+        columnwise: bool,
+        scales: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[QuantizedTensor] | None:
+        """Every expert in one amax launch and one cast, each with its own state: the same scales
+        in force, the same amaxes joining the same histories as ``peers[i].quantize(segment_i)``
+        (``scales`` given: the forward's, reused, no amax recorded)."""
+        _check_2d(x, self.name)
+        if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
+            return None
+        delayed = [p for p in peers if isinstance(p, DelayedScalingQuantizer)]
+        offsets = None
+        if scales is None:
+            for p in delayed:
+                p._to(x.device)
+                p._advance()
+            amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False)
+            amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
+            for i, p in enumerate(delayed):
+                p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
+            scales = [p.scale for p in delayed]
+        scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
+        inv = kernels.aligned_copy(torch.reciprocal(scale))
+        rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
+        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
+        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
+        return self._segment_tensors(x, splits, row_inv, col_inv, list(scales))  # type: ignore[arg-type]
+
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
 
