@@ -18,6 +18,7 @@ layers no longer keep plus the discarded norm output.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -172,6 +173,7 @@ def main() -> None:
         print(f"{'rank':>4s} {'flags on':>12s} {'all off':>12s} {'difference':>12s}")
         for r, (a, b) in enumerate(per_rank):
             print(f"{r:4d} {a:12d} {b:12d} {b - a:12d}")
+    gc.collect()  # free any autograd graph still holding a collective's work object before teardown
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
     if on_losses != off_losses:
