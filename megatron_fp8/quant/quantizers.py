@@ -157,6 +157,26 @@ class _PerTensorQuantizer(Quantizer):
         """``(row, col, scale, 1/scale)`` when scale and cast run fused here, else None."""
         return None
 
+    def _segments_out(self, x: torch.Tensor, splits: Sequence[int], rows: Sequence[torch.Tensor] | None,
+                      cols: Sequence[torch.Tensor] | None, inv: torch.Tensor,
+                      kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
+        """Per-segment QuantizedTensors from one-launch copies, their inverse scales (``inv [E]``,
+        16 bytes apart) and the scales each keeps (``kept``)."""
+        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
+        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
+        return self._segment_tensors(x, splits, row_inv, col_inv, kept)
+
+    def _cast_segments_scaled(self, x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
+                              rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None,
+                              kept: Sequence[torch.Tensor] | None = None) -> list[QuantizedTensor]:
+        """Every segment cast in one launch with its given scale; each QuantizedTensor keeps
+        ``kept[i]`` (default: its scale in the aligned copy)."""
+        scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))
+        inv = kernels.aligned_copy(torch.reciprocal(scale))
+        rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
+        return self._segments_out(x, splits, rows, cols, inv,
+                                  list(kept) if kept is not None else [scale[i] for i in range(len(splits))])
+
     def quantize(
         self,
         x: torch.Tensor,
@@ -234,26 +254,20 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         reduce = _grouped(self.group)
-        fused = None if scales is not None or reduce else \
+        if scales is not None:  # the forward's scales, reused
+            return self._cast_segments_scaled(x, splits, scales, rowwise, columnwise)  # type: ignore[arg-type]
+        fused = None if reduce else \
             kernels.cast_current_segments(x, splits, self.fp8_dtype, rowwise, columnwise, **kw)
         if fused is not None:  # amax, scale and cast of every segment in two launches
             rows, cols, scale, inv = fused
         else:
-            offsets = None
-            if scales is not None:
-                scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
-                inv = kernels.aligned_copy(torch.reciprocal(scale))
-            else:
-                amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce,
-                                                                       **kw)
-                if reduce:  # one all-reduce for every expert's amax
-                    scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
+            amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce, **kw)
+            if reduce:  # one all-reduce for every expert's amax
+                scale, inv = kernels.scale_from_amax(_reduce_amax(amax, self.group), self.fp8_dtype, **kw)
             assert scale is not None and inv is not None
             rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise,
                                                           offsets)
-        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
-        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
-        return self._segment_tensors(x, splits, row_inv, col_inv, [scale[i] for i in range(len(splits))])
+        return self._segments_out(x, splits, rows, cols, inv, [scale[i] for i in range(len(splits))])
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):
@@ -328,23 +342,18 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         _check_2d(x, self.name)
         if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
             return None
+        if scales is not None:  # the forward's scales, reused, no amax recorded
+            return self._cast_segments_scaled(x, splits, scales, rowwise, columnwise)  # type: ignore[arg-type]
         delayed = [p for p in peers if isinstance(p, DelayedScalingQuantizer)]
-        offsets = None
-        if scales is None:
-            for p in delayed:
-                p._to(x.device)
-                p._advance()
-            amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False)
-            amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
-            for i, p in enumerate(delayed):
-                p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
-            scales = [p.scale for p in delayed]
-        scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))  # type: ignore[union-attr]
-        inv = kernels.aligned_copy(torch.reciprocal(scale))
-        rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
-        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
-        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
-        return self._segment_tensors(x, splits, row_inv, col_inv, list(scales))  # type: ignore[arg-type]
+        for p in delayed:
+            p._to(x.device)
+            p._advance()
+        amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False)
+        amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
+        for i, p in enumerate(delayed):
+            p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
+        in_force = [p.scale for p in delayed]  # kept as the per-expert casts keep them: the state's own
+        return self._cast_segments_scaled(x, splits, in_force, rowwise, columnwise, offsets, kept=in_force)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
