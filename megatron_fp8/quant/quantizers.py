@@ -157,6 +157,15 @@ class _PerTensorQuantizer(Quantizer):
         """``(row, col, scale, 1/scale)`` when scale and cast run fused here, else None."""
         return None
 
+    def casts_segments(self, x: torch.Tensor) -> bool:
+        return kernels.segments_fused(x, columnwise=True)
+
+    def _segments_apply(self, x: torch.Tensor, peers: Sequence[Quantizer], rowwise: bool, columnwise: bool) -> bool:
+        """Whether ``quantize_segments`` casts ``x``'s segments in one launch here (else the
+        caller casts them one by one)."""
+        _check_2d(x, self.name)
+        return kernels.segments_fused(x, columnwise) and self._peers_match(peers) and (rowwise or columnwise)
+
     def _segments_out(self, x: torch.Tensor, splits: Sequence[int], rows: Sequence[torch.Tensor] | None,
                       cols: Sequence[torch.Tensor] | None, inv: torch.Tensor,
                       kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
@@ -236,9 +245,6 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.group)
 
-    def casts_segments(self, x: torch.Tensor) -> bool:
-        return kernels.segments_fused(x, columnwise=True)
-
     def quantize_segments(
         self,
         x: torch.Tensor,
@@ -249,8 +255,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         columnwise: bool,
         scales: Sequence[torch.Tensor | None] | None = None,
     ) -> list[QuantizedTensor] | None:
-        _check_2d(x, self.name)
-        if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
+        if not self._segments_apply(x, peers, rowwise, columnwise):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         reduce = _grouped(self.group)
@@ -323,9 +328,6 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.recipe, self.group)
 
-    def casts_segments(self, x: torch.Tensor) -> bool:
-        return kernels.segments_fused(x, columnwise=True)
-
     def quantize_segments(
         self,
         x: torch.Tensor,
@@ -339,8 +341,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         """Every expert in one amax launch and one cast, each with its own state: the same scales
         in force, the same amaxes joining the same histories as ``peers[i].quantize(segment_i)``
         (``scales`` given: the forward's, reused, no amax recorded)."""
-        _check_2d(x, self.name)
-        if not (kernels.segments_fused(x, columnwise) and self._peers_match(peers)) or not (rowwise or columnwise):
+        if not self._segments_apply(x, peers, rowwise, columnwise):
             return None
         if scales is not None:  # the forward's scales, reused, no amax recorded
             return self._cast_segments_scaled(x, splits, scales, rowwise, columnwise)  # type: ignore[arg-type]
