@@ -1,0 +1,98 @@
+"""What our Triton kernels cost in registers, spills and shared memory on SM90, without a GPU:
+each kernel compiled ahead of time for ``sm_90a`` (Triton's own compiler) and its PTX run
+through the ``ptxas -v`` that ships with Triton. Prints a table; no device time needed.
+
+    python scripts/kernel_resources.py [--warps 4 8 16]
+
+Needs Triton importable (any machine: it only compiles). A kernel at the 255-register limit
+runs one 8-warp block per SM, and spills go to local memory: the first things to look at when
+a memory-bound kernel runs below copy speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+import triton.language as tl
+from benchlib import markdown_table
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_fp8 import triton_grouped as tg
+from megatron_fp8.quant import triton_cast as tc
+
+_CAST_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("row_s_ptr", "*fp32"), ("col_ptr", "*fp8e4nv"),
+              ("col_s_ptr", "*fp32"), ("tensor_scale_ptr", "*fp32"), ("seg_ptr", "*i32"), ("part_ptr", "*i32"),
+              ("inv_ptr", "*fp32")] + [(n, "i32") for n in ("M", "K", "n_kb", "n_mb", "n_seg", "n_part", "S_PART")]
+_ROWS_ARGS = [("a_ptr", "*fp8e4nv"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
+              ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
+_KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
+                ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_tn", "n_tk")]
+
+
+def _cast_case(mode: str, row: bool, col: bool, seg: bool = False) -> dict[str, Any]:
+    return dict(MODE=tc._MODES[mode], DO_ROW=row, DO_COL=col, SEG=seg, ALIGNED=seg, FMAX=448.0, F_EXP=8, F_MANT=3,
+                OUT=tl.float8e4nv, T=tc.TILE, FUSED=mode == "tensor", R_AMAX=16, EPS=0.0, POW2=False, BP=1024)
+
+
+CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
+    "cast 1x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, True), 0),
+    "cast 1x128 row": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, False), 0),
+    "cast 1x128 col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", False, True), 0),
+    "cast 128x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("128x128", True, True), 0),
+    "cast tensor row+col (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True), 0),
+    "cast tensor row (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, False), 0),
+    "cast tensor row+col, experts": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True, True), 0),
+    "grouped rows, tensor, fast": (tg._rows_kernel, _ROWS_ARGS, dict(BLOCKED=False, BM=128, BN=128, BK=128,
+                                                                     GROUP_M=8, IMPRECISE=None, OUT=tl.bfloat16), 3),
+    "grouped rows, tensor, promoted": (tg._rows_kernel, _ROWS_ARGS, dict(BLOCKED=False, BM=128, BN=128, BK=128,
+                                                                         GROUP_M=8, IMPRECISE=128, OUT=tl.bfloat16), 3),
+    "grouped rows, blocks": (tg._rows_kernel, _ROWS_ARGS, dict(BLOCKED=True, BM=128, BN=128, BK=128, GROUP_M=8,
+                                                               IMPRECISE=None, OUT=tl.bfloat16), 3),
+    "grouped kgroup, tensor, promoted": (tg._kgroup_kernel, _KGROUP_ARGS, dict(BLOCKED=False, BN=128, BK=128, BT=128,
+                                                                               IMPRECISE=128, OUT=tl.bfloat16), 3),
+}
+
+
+def _ptxas() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps: int, stages: int) -> list[str]:
+    """[registers, spill stores (bytes), stack frame (bytes), shared (bytes)] from ``ptxas -v``."""
+    sig = dict(args) | {k: "constexpr" for k in const}
+    options: dict[str, Any] = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
+    kernel = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    regs = text.split("Used ")[1].split(" registers")[0] if "Used " in text else "?"
+    spills = text.split(" bytes spill stores")[0].rsplit(" ", 1)[-1] if "spill stores" in text else "0"
+    stack = text.split(" bytes stack frame")[0].rsplit(" ", 1)[-1] if "stack frame" in text else "0"
+    return [regs, spills, stack, str(kernel.metadata.shared)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warps", nargs="*", type=int, default=[4, 8])
+    args = p.parse_args()
+    rows = []
+    for name, (fn, sig, const, stages) in CASES.items():
+        for w in args.warps:
+            rows.append([name, w, *resources(fn, sig, const, w, stages)])
+            print(rows[-1], flush=True)
+    print(f"Triton {triton.__version__}, target sm_90a (compiled ahead of time, no GPU)")
+    print(markdown_table(["kernel", "warps", "registers", "spill stores B", "stack B", "shared B"], rows))
+
+
+if __name__ == "__main__":
+    main()
