@@ -19,9 +19,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-from benchlib import bar_chart, interleaved_ms, markdown_table, write_outputs
+from benchlib import bar_chart, interleaved_ms, markdown_table, train_step, write_outputs
 
-from megatron_fp8 import Linear, fp8_autocast
+from megatron_fp8 import Linear
 from megatron_fp8 import gemm as core
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.recipe import PRESETS, Float8BlockScaling, TensorRole
@@ -29,20 +29,6 @@ from megatron_fp8.testing import capture_step
 
 GRAPHED = ("current", "blockwise")  # stateless recipes: a replayed step is the eager step
 SHAPES = [(8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (16384, 7168, 2048)]
-
-
-def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe=None):
-    def step() -> None:
-        x.grad = None
-        module.weight.grad = None  # type: ignore[union-attr]
-        if recipe is None:
-            y = module(x)
-        else:
-            with fp8_autocast(fp8_recipe=recipe):
-                y = module(x)
-        y.backward(dy)
-
-    return step
 
 
 def _block_gemms_only(m: int, n: int, k: int):
@@ -73,9 +59,7 @@ def _torchao(k: int, n: int, recipe_name: str):
 
     mod = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
     convert_to_float8_training(mod, config=Float8LinearConfig.from_recipe_name(recipe_name))
-    compiled = torch.compile(mod)
-    compiled.weight = mod[0].weight  # for _fwd_bwd's grad reset
-    return compiled
+    return torch.compile(mod)
 
 
 def main() -> None:
@@ -101,7 +85,7 @@ def main() -> None:
         shape, flops = f"{m}x{n}x{k}", 6 * m * n * k
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-        steps = {"bf16 nn.Linear": _fwd_bwd(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
+        steps = {"bf16 nn.Linear": train_step(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
                                             x, dy)}
         failed = []
         if "blockwise" in args.recipes:
@@ -110,18 +94,18 @@ def main() -> None:
             for flag in (False, True):
                 layer = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
                                save_original_input=flag)
-                steps[f"ours {rname} flag={'on' if flag else 'off'}"] = _fwd_bwd(layer, x, dy, PRESETS[rname])
+                steps[f"ours {rname} flag={'on' if flag else 'off'}"] = train_step(layer, x, dy, PRESETS[rname])
                 if args.graphs and rname in GRAPHED:  # same step, replayed: no host launch cost
                     name = f"ours {rname} flag={'on' if flag else 'off'} (CUDA graph)"
                     try:
-                        steps[name] = capture_step(_fwd_bwd(layer, x, dy, PRESETS[rname]))[0].replay
+                        steps[name] = capture_step(train_step(layer, x, dy, PRESETS[rname]))[0].replay
                     except Exception as e:  # report, never hide
                         failed.append([shape, name, "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
         if args.graphs:
             steps["bf16 nn.Linear (CUDA graph)"] = capture_step(steps["bf16 nn.Linear"])[0].replay
         for ao in args.torchao:
             try:
-                steps[f"torchao {ao} (compiled)"] = _fwd_bwd(_torchao(k, n, ao), x, dy)
+                steps[f"torchao {ao} (compiled)"] = train_step(_torchao(k, n, ao), x, dy)
             except Exception as e:  # report, never hide
                 failed.append([shape, f"torchao {ao}", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:120]])
         timed = interleaved_ms(steps, args.rounds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -31,6 +32,28 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def train_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: Any = None,
+               splits: Sequence[int] | None = None) -> Callable[[], None]:
+    """A forward+backward closure over ``module`` (grads of ``x`` and the parameters reset each
+    call): under ``fp8_autocast(recipe)`` unless ``recipe`` is None; ``splits``: a grouped
+    layer's per-expert token counts."""
+    import contextlib
+
+    from megatron_fp8 import fp8_autocast
+
+    params = list(module.parameters())
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        with fp8_autocast(fp8_recipe=recipe) if recipe is not None else contextlib.nullcontext():
+            y = module(x) if splits is None else module(x, splits)
+        y.backward(dy)
+
+    return step
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, tuple[float, float]]:

@@ -12,21 +12,11 @@ import argparse
 import os
 
 import torch
-from benchlib import host_and_device_ms, markdown_table
+from benchlib import host_and_device_ms, markdown_table, train_step
 from profile_steps import _host_profile
 
-from megatron_fp8 import fp8_autocast
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
-
-
-def _step(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int], recipe) -> None:
-    x.grad = None
-    for w in layer.weights:
-        w.grad = None
-    with fp8_autocast(fp8_recipe=recipe):
-        y = layer(x, splits)
-    y.backward(dy)
 
 
 def main() -> None:
@@ -46,14 +36,14 @@ def main() -> None:
     for path in args.paths:
         os.environ["MEGATRON_FP8_GROUPED_GEMM"] = path
         for rname in args.recipes:
-            host, dev = host_and_device_ms(lambda r=PRESETS[rname]: _step(layer, x, dy, splits, r))
+            host, dev = host_and_device_ms(train_step(layer, x, dy, PRESETS[rname], splits))
             rows.append([path, rname, host, dev])
             print(rows[-1], flush=True)
     print(markdown_table(["grouped GEMM path", "recipe", "host ms/step", "device ms/step"], rows))
     os.environ["MEGATRON_FP8_GROUPED_GEMM"] = "auto"
     for rname in args.recipes:
         print(f"## {rname} (auto), Python own time over 10 steps\n"
-              f"{_host_profile(lambda r=PRESETS[rname]: _step(layer, x, dy, splits, r), 30)}", flush=True)
+              f"{_host_profile(train_step(layer, x, dy, PRESETS[rname], splits), 30)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable
 
 import torch
-from benchlib import markdown_table
+from benchlib import markdown_table, train_step
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_fp8 import Linear, fp8_autocast
+from megatron_fp8 import Linear
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
 
@@ -28,14 +28,7 @@ def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
     lin = Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
-
-    def step() -> None:
-        x.grad = lin.weight.grad = None
-        with fp8_autocast(fp8_recipe=PRESETS[recipe]):
-            y = lin(x)
-        y.backward(dy)
-
-    return step
+    return train_step(lin, x, dy, PRESETS[recipe])
 
 
 def _grouped_step(recipe: str) -> Callable[[], None]:
@@ -43,16 +36,7 @@ def _grouped_step(recipe: str) -> Callable[[], None]:
     x = torch.randn(sum(splits), 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), 2048, device="cuda", dtype=torch.bfloat16) * 1e-3
     layer = GroupedLinear(8, 4096, 2048, bias=False, params_dtype=torch.bfloat16, device="cuda")
-
-    def step() -> None:
-        x.grad = None
-        for w in layer.weights:
-            w.grad = None
-        with fp8_autocast(fp8_recipe=PRESETS[recipe]):
-            y = layer(x, splits)
-        y.backward(dy)
-
-    return step
+    return train_step(layer, x, dy, PRESETS[recipe], splits)
 
 
 def _device_events(path: str) -> list[tuple[str, float, float]]:
