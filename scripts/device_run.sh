@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
 # Usage (from the repo root on the device): bash scripts/device_run.sh [tests|gemm|linear|grouped|casts|steps|probe|tgemm|trace]...
-# CAST_ARGS passes options to profile_casts.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
+# CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,8 +17,8 @@ for what in "${steps[@]}"; do
   case $what in
     tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     gemm) python3 scripts/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" ;;
-    linear) python3 scripts/bench_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
-    grouped) python3 scripts/bench_grouped.py --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
+    linear) python3 scripts/bench_linear.py ${LINEAR_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
+    grouped) python3 scripts/bench_grouped.py ${GROUPED_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
     casts) python3 scripts/profile_casts.py ${CAST_ARGS:-} 2>&1 | tee "$OUT/profile_casts.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;

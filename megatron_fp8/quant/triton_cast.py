@@ -57,8 +57,8 @@ import triton.language as tl
 from .formats import fp8_max
 
 TILE = 128
-CAST_WARPS = 8  # warps per cast program (scripts/profile_casts.py --warps sweeps it)
-CAST_SUB = 32  # rows of x a cast program holds in registers at a time (profile_casts.py --sub)
+CAST_WARPS = 8  # warps per 128x128 cast tile (scripts/profile_casts.py --warps sweeps it)
+CAST_PACK = True  # columnwise copies stored as 32-bit words of four rows (profile_casts.py --pack)
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 SCALE_STRIDE = tl.constexpr(STRIDE)
@@ -195,20 +195,26 @@ def _cast_tile_kernel(
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr, TM: tl.constexpr, SUB: tl.constexpr,
+    BP: tl.constexpr, PACK: tl.constexpr,
 ):
-    """One program: ``TM`` rows (``T`` where a scale spans 128 rows) x ``T`` columns of ``x``,
-    walked in ``SUB``-row chunks so that only a chunk is held in registers; a first walk takes
-    the column maxima where a scale needs them (1x128 columnwise, 128x128)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    m0 = pid_m.to(tl.int64) * TM
+    offs_m = pid_m * T + tl.arange(0, T)
     offs_k = pid_k * T + tl.arange(0, T)
-    k_ok = offs_k < K
-    if SEG and ALIGNED:  # every segment a multiple of T rows: one segment per program, scalars
-        eid = _segment_of(m0, seg_ptr, n_seg)
-        start = tl.multiple_of(tl.load(seg_ptr + eid), T)  # the hints keep the stores vectorized
-        length = tl.multiple_of(tl.load(seg_ptr + eid + 1) - start, T)
-    if MODE == 2 and FUSED:  # current scaling: this program's (segment's) amax from the partials
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    a = tl.abs(x)
+    rows64 = offs_m.to(tl.int64)
+    if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
+        if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
+            eid = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
+            start = tl.multiple_of(tl.load(seg_ptr + eid), T)  # the hints keep the stores vectorized
+            length = tl.multiple_of(tl.load(seg_ptr + eid + 1) - start, T)
+        else:  # tensor mode only: a tile may span segments, so per row ([1, T] for the transposed store)
+            eid = _segment_of(rows64, seg_ptr, n_seg)
+            start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[None, :]
+            length = tl.load(seg_ptr + eid + 1, mask=offs_m < M, other=0)[None, :] - start
+    if MODE == 2 and FUSED:  # current scaling: this tile's (segment's) amax from the partials
         if SEG:  # ALIGNED: the segment's amax programs are whole, back to back
             lo = (start // R_AMAX) * S_PART
             hi = ((start + length) // R_AMAX) * S_PART
@@ -217,7 +223,7 @@ def _cast_tile_kernel(
             hi = n_part
         s_all, inv_all = _tensor_scale(_amax_of_partials(part_ptr, lo, hi, BP), FMAX, EPS, 1.0, POW2)
         if SEG:
-            first = (pid_k == 0) & (m0 == start)
+            first = (pid_k == 0) & (pid_m.to(tl.int64) * T == start)
             dst_e = eid * SCALE_STRIDE
         else:
             first = (pid_k == 0) & (pid_m == 0)
@@ -225,59 +231,53 @@ def _cast_tile_kernel(
         if first:  # one program per segment publishes the scale the GEMM and a later cast use
             tl.store(tensor_scale_ptr + dst_e, s_all)
             tl.store(inv_ptr + dst_e, inv_all)
-    elif MODE == 2 and not (SEG and not ALIGNED):
-        if SEG:
+    elif MODE == 2:
+        if SEG and ALIGNED:
             s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE)
+        elif SEG:
+            s_all = tl.load(tensor_scale_ptr + eid * SCALE_STRIDE, mask=offs_m < M, other=1.0)[:, None]
         else:
             s_all = tl.load(tensor_scale_ptr)
-    if MODE == 1 or (MODE == 0 and DO_COL):  # first walk: |x| maxima per column of the T rows
-        amax_c = tl.zeros([T], dtype=tl.float32)  # |x| >= 0; a NaN is skipped, as by tl.max
-        for c in range(0, TM, SUB):
-            offs_m = m0 + c + tl.arange(0, SUB)
-            x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-            amax_c = tl.maximum(amax_c, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-        if MODE == 1:
-            s_all, inv_all = _pow2_scale(tl.max(amax_c, axis=0), F_EXP, F_MANT)
-            tl.store(row_s_ptr + pid_m * n_kb + pid_k, inv_all)
+    elif MODE == 1:
+        s_all, inv_all = _pow2_scale(tl.max(tl.max(a, axis=1), axis=0), F_EXP, F_MANT)
+        tl.store(row_s_ptr + pid_m * n_kb + pid_k, inv_all)
+    if DO_ROW:
+        if MODE == 0:
+            s_r, inv_r = _pow2_scale(tl.max(a, axis=1), F_EXP, F_MANT)  # [T]: one per row
+            # scale storage [K/128, m_e] per segment (scaled dim outermost)
+            if SEG:
+                dst_s = start * n_kb + pid_k * length + (rows64 - start)
+            else:
+                dst_s = pid_k * M + rows64
+            tl.store(row_s_ptr + dst_s, inv_r, mask=offs_m < M)
+            q = _quantize(x, s_r[:, None], FMAX, OUT)
         else:
-            s_c, inv_c = _pow2_scale(amax_c, F_EXP, F_MANT)  # [T]: one per column
+            q = _quantize(x, s_all, FMAX, OUT)
+        tl.store(row_ptr + rows64[:, None] * K + offs_k[None, :], q, mask=mask)
+    if DO_COL:
+        if MODE == 0:
+            s_c, inv_c = _pow2_scale(tl.max(a, axis=0), F_EXP, F_MANT)  # [T]: one per column
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
-            tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=k_ok)
-    for c in range(0, TM, SUB):
-        offs_m = m0 + c + tl.arange(0, SUB)  # int64 rows of this chunk
-        m_ok = offs_m < M
-        mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SEG and not ALIGNED:  # tensor mode only: a chunk may span segments, so per row
-            eid_r = _segment_of(offs_m, seg_ptr, n_seg)
-            start = tl.load(seg_ptr + eid_r, mask=m_ok, other=0)[None, :]  # [1, SUB] for the transposed store
-            length = tl.load(seg_ptr + eid_r + 1, mask=m_ok, other=0)[None, :] - start
-            s_all = tl.load(tensor_scale_ptr + eid_r * SCALE_STRIDE, mask=m_ok, other=1.0)[:, None]
-        if DO_ROW:
-            if MODE == 0:
-                s_r, inv_r = _pow2_scale(tl.max(tl.abs(x), axis=1), F_EXP, F_MANT)  # [SUB]: one per row
-                # scale storage [K/128, m_e] per segment (scaled dim outermost)
-                if SEG:
-                    dst_s = start * n_kb + pid_k * length + (offs_m - start)
-                else:
-                    dst_s = pid_k * M + offs_m
-                tl.store(row_s_ptr + dst_s, inv_r, mask=m_ok)
-                q = _quantize(x, s_r[:, None], FMAX, OUT)
+            tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
+            q = _quantize(x, s_c[None, :], FMAX, OUT)
+        else:
+            q = _quantize(x, s_all, FMAX, OUT)
+        if PACK:  # four consecutive rows' bytes in one 32-bit word: the transpose moves words
+            b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (T // 4, 4, T))
+            w = tl.trans(tl.sum(b << (tl.arange(0, 4) * 8)[None, :, None], axis=1))  # [T(k), T/4]
+            offs_w = pid_m.to(tl.int64) * (T // 4) + tl.arange(0, T // 4)  # col_ptr: int32 words
+            if SEG:  # segment e's copy is [K, m_e] at offset K * start_e (every m_e a multiple of T)
+                dst = (start // 4) * K + offs_k[:, None].to(tl.int64) * (length // 4) + (offs_w[None, :] - start // 4)
             else:
-                q = _quantize(x, s_all, FMAX, OUT)
-            tl.store(row_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
-        if DO_COL:
-            if MODE == 0:
-                q = _quantize(x, s_c[None, :], FMAX, OUT)
-            else:
-                q = _quantize(x, s_all, FMAX, OUT)
-            q = tl.trans(q)  # [T(k), SUB(m)], stored row-major into the [K, m] copy
+                dst = offs_k[:, None].to(tl.int64) * (M // 4) + offs_w[None, :]
+            tl.store(col_ptr + dst, w, mask=(offs_k[:, None] < K) & (offs_w[None, :] < M // 4))
+        else:
+            q = tl.trans(q)  # [T(k), T(m)], stored row-major into the [K, m] copy
             if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
-                dst = start * K + offs_k[:, None].to(tl.int64) * length + (offs_m[None, :] - start)
+                dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows64[None, :] - start)
             else:
-                dst = offs_k[:, None].to(tl.int64) * M + offs_m[None, :]
-            tl.store(col_ptr + dst, q, mask=k_ok[:, None] & m_ok[None, :])
+                dst = offs_k[:, None].to(tl.int64) * M + rows64[None, :]
+            tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
 
 
 # ---- launching ----------------------------------------------------------------------------
@@ -430,15 +430,6 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
-def program_rows(mode: str, columnwise: bool, fused: bool) -> tuple[int, int]:
-    """``(TM, SUB)`` of a cast launch: rows per program and rows held in registers at a time.
-    A program spans 128 rows where a scale does (1x128 columnwise, 128x128) or where each program
-    reduces the amax partials itself (fused current scaling: fewer programs, fewer reductions);
-    otherwise it is a single chunk."""
-    sub = min(CAST_SUB, TILE)
-    return (TILE if mode == "128x128" or (mode == "1x128" and columnwise) or fused else sub), sub
-
-
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
             fused: _Fused | None = None,
@@ -446,7 +437,6 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
     m, k = x.shape
     n_mb, n_kb = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
-    tm, sub = program_rows(mode, columnwise, fused is not None)
     dev = x.device
     row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
     col = torch.empty((k * m,) if offsets is not None else (k, m), dtype=fp8_dtype, device=dev) if columnwise else None
@@ -462,11 +452,14 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     def ptr(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else dummy
 
+    # the columnwise copy stored as 32-bit words of four rows each, where every row count allows
+    pack = CAST_PACK and columnwise and (aligned if offsets is not None else m % 4 == 0)
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
-                                    POW2=fused.pow2 if fused else False, BP=1024, TM=tm, SUB=sub)
-    _CAST((triton.cdiv(m, tm), n_kb),
-        x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
+                                    POW2=fused.pow2 if fused else False, BP=1024, PACK=pack)
+    _CAST((n_mb, n_kb),
+        x, ptr(row), ptr(row_s), col.view(torch.int32) if pack else ptr(col), ptr(col_s), ptr(tensor_scale),
+        ptr(offsets),
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
