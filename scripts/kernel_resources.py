@@ -2,7 +2,7 @@
 each kernel compiled ahead of time for ``sm_90a`` (Triton's own compiler) and its PTX run
 through the ``ptxas -v`` that ships with Triton. Prints a table; no device time needed.
 
-    python scripts/kernel_resources.py [--warps 4 8 16] [--pack 1 0]
+    python scripts/kernel_resources.py [--warps 4 8 16]
 
 Needs Triton importable (any machine: it only compiles). A kernel at the 255-register limit
 runs one 8-warp block per SM, and spills go to local memory: the first things to look at when
@@ -38,32 +38,31 @@ _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), 
 def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool = True) -> dict[str, Any]:
     return dict(MODE=tc._MODES[mode], DO_ROW=row, DO_COL=col, SEG=seg, ALIGNED=seg, FMAX=448.0, F_EXP=8, F_MANT=3,
                 OUT=tl.float8e4nv, T=tc.TILE, FUSED=fused and mode == "tensor", R_AMAX=16, EPS=0.0, POW2=False,
-                BP=1024, PACK=col and tc.CAST_PACK)
+                BP=1024)
 
 
 def _rows_case(blocked: bool, imprecise: int | None) -> dict[str, Any]:
     return dict(BLOCKED=blocked, BM=128, BN=128, BK=128, GROUP_M=8, IMPRECISE=imprecise, OUT=tl.bfloat16)
 
 
-def _cases() -> dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]]:
-    """Every kernel case (the casts' columnwise stores as ``tc.CAST_PACK`` now says)."""
-    return {
-        "cast 1x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, True), 0),
-        "cast 1x128 row": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, False), 0),
-        "cast 1x128 col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", False, True), 0),
-        "cast 128x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("128x128", True, True), 0),
-        "cast tensor row+col (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True), 0),
-        "cast tensor row (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, False), 0),
-        "cast tensor row+col (given scale)": (tc._cast_tile_kernel, _CAST_ARGS,
-                                              _cast_case("tensor", True, True, fused=False), 0),
-        "cast tensor row+col, experts": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True, True), 0),
-        "grouped rows, tensor, fast": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, None), 3),
-        "grouped rows, tensor, promoted": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, 128), 3),
-        "grouped rows, blocks": (tg._rows_kernel, _ROWS_ARGS, _rows_case(True, None), 3),
-        "grouped kgroup, tensor, promoted": (tg._kgroup_kernel, _KGROUP_ARGS,
-                                             dict(BLOCKED=False, BN=128, BK=128, BT=128, IMPRECISE=128,
-                                                  OUT=tl.bfloat16), 3),
-    }
+# name: (kernel, signature, constexprs, stages)
+CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
+    "cast 1x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, True), 0),
+    "cast 1x128 row": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, False), 0),
+    "cast 1x128 col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", False, True), 0),
+    "cast 128x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("128x128", True, True), 0),
+    "cast tensor row+col (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True), 0),
+    "cast tensor row (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, False), 0),
+    "cast tensor row+col (given scale)": (tc._cast_tile_kernel, _CAST_ARGS,
+                                          _cast_case("tensor", True, True, fused=False), 0),
+    "cast tensor row+col, experts": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True, True), 0),
+    "grouped rows, tensor, fast": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, None), 3),
+    "grouped rows, tensor, promoted": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, 128), 3),
+    "grouped rows, blocks": (tg._rows_kernel, _ROWS_ARGS, _rows_case(True, None), 3),
+    "grouped kgroup, tensor, promoted": (tg._kgroup_kernel, _KGROUP_ARGS,
+                                         dict(BLOCKED=False, BN=128, BK=128, BT=128, IMPRECISE=128,
+                                              OUT=tl.bfloat16), 3),
+}
 
 
 def _ptxas() -> str:
@@ -73,8 +72,6 @@ def _ptxas() -> str:
 def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps: int, stages: int) -> list[str]:
     """[registers, spill stores (bytes), stack frame (bytes), shared (bytes)] from ``ptxas -v``."""
     sig = dict(args) | {k: "constexpr" for k in const}
-    if const.get("PACK"):  # the cast's packed columnwise copy is written as 32-bit words
-        sig["col_ptr"] = "*i32"
     options: dict[str, Any] = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
     # what a JIT launch on the benchmarks' shapes specializes on: 16-byte aligned pointers and
     # sizes divisible by 16 (without these hints no load or store is vectorized)
@@ -97,19 +94,12 @@ def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warps", nargs="*", type=int, default=[4, 8])
-    p.add_argument("--pack", nargs="*", type=int, default=[int(tc.CAST_PACK)],
-                   help="columnwise copies stored as 32-bit words (1) or bytes (0) (triton_cast.CAST_PACK)")
     args = p.parse_args()
     rows = []
-    for pack in args.pack:
-        tc.CAST_PACK = bool(pack)
-        for name, (fn, sig, const, stages) in _cases().items():
-            if "PACK" not in const and pack != args.pack[0]:
-                continue  # the GEMMs do not depend on it
-            label = f"{name}{' (bytes)' if const.get('DO_COL') and not const.get('PACK') else ''}"
-            for w in args.warps:
-                rows.append([label, w, *resources(fn, sig, const, w, stages)])
-                print(rows[-1], flush=True)
+    for name, (fn, sig, const, stages) in CASES.items():
+        for w in args.warps:
+            rows.append([name, w, *resources(fn, sig, const, w, stages)])
+            print(rows[-1], flush=True)
     print(f"Triton {triton.__version__}, target sm_90a (compiled ahead of time, no GPU)")
     print(markdown_table(["kernel", "warps", "registers", "spill stores B", "stack B", "shared B"], rows))
 

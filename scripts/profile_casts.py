@@ -1,7 +1,7 @@
 """Cast-cost breakdown (GPU): time each quantizer call of a Linear step, compiled and eager,
 against the bytes it must move. Prints a table; used to find where the Linear loses time.
 
-    python scripts/profile_casts.py [--shape M,N,K] [--warps 4 8 16] [--pack 1 0]
+    python scripts/profile_casts.py [--shape M,N,K] [--warps 4 8 16]
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     ap.add_argument("--backends", nargs="*", default=["auto"])
     ap.add_argument("--warps", nargs="*", type=int, default=[triton_cast.CAST_WARPS],
-                    help="warps per cast program to compare (triton_cast.CAST_WARPS)")
-    ap.add_argument("--pack", nargs="*", type=int, default=[int(triton_cast.CAST_PACK)],
-                    help="columnwise copies stored as 32-bit words (1) or bytes (0) (triton_cast.CAST_PACK)")
+                    help="warps per cast tile to compare (triton_cast.CAST_WARPS; 0: its rule)")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split(","))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for backend, warps, pack in ((b, w, p) for b in args.backends for w in args.warps for p in args.pack):
+    for backend, warps in ((b, w) for b in args.backends for w in args.warps):
         os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
-        triton_cast.CAST_WARPS, triton_cast.CAST_PACK = warps, bool(pack)
+        triton_cast.CAST_WARPS = warps
         for rname in args.recipes:
             r = PRESETS[rname]
             for role, t, kw in ((TensorRole.INPUT, x, dict(rowwise=True, columnwise=True)),
@@ -45,11 +43,11 @@ def main() -> None:
                 ms = median_ms(lambda q=q, t=t, kw=kw: q.quantize(t, **kw), rep_ms=100)
                 copies = int(kw["rowwise"]) + int(kw["columnwise"])
                 nbytes = t.numel() * (2 + copies)
-                rows.append([backend, warps, pack, rname, role.value,
+                rows.append([backend, warps or "rule", rname, role.value,
                              f"{'r' if kw['rowwise'] else ''}{'c' if kw['columnwise'] else ''}",
                              ms * 1e3, nbytes / ms / 1e6])
                 print(rows[-1], flush=True)
-    print(markdown_table(["casts", "warps", "packed", "recipe", "tensor", "copies", "us", "GB/s"], rows))
+    print(markdown_table(["casts", "warps", "recipe", "tensor", "copies", "us", "GB/s"], rows))
 
 
 if __name__ == "__main__":

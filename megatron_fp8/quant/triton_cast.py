@@ -57,8 +57,7 @@ import triton.language as tl
 from .formats import fp8_max
 
 TILE = 128
-CAST_WARPS = 8  # warps per 128x128 cast tile (scripts/profile_casts.py --warps sweeps it)
-CAST_PACK = True  # columnwise copies stored as 32-bit words of four rows (profile_casts.py --pack)
+CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 SCALE_STRIDE = tl.constexpr(STRIDE)
@@ -195,7 +194,7 @@ def _cast_tile_kernel(
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr, PACK: tl.constexpr,
+    BP: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
@@ -262,22 +261,12 @@ def _cast_tile_kernel(
             q = _quantize(x, s_c[None, :], FMAX, OUT)
         else:
             q = _quantize(x, s_all, FMAX, OUT)
-        if PACK:  # four consecutive rows' bytes in one 32-bit word: the transpose moves words
-            b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (T // 4, 4, T))
-            w = tl.trans(tl.sum(b << (tl.arange(0, 4) * 8)[None, :, None], axis=1))  # [T(k), T/4]
-            offs_w = pid_m.to(tl.int64) * (T // 4) + tl.arange(0, T // 4)  # col_ptr: int32 words
-            if SEG:  # segment e's copy is [K, m_e] at offset K * start_e (every m_e a multiple of T)
-                dst = (start // 4) * K + offs_k[:, None].to(tl.int64) * (length // 4) + (offs_w[None, :] - start // 4)
-            else:
-                dst = offs_k[:, None].to(tl.int64) * (M // 4) + offs_w[None, :]
-            tl.store(col_ptr + dst, w, mask=(offs_k[:, None] < K) & (offs_w[None, :] < M // 4))
+        q = tl.trans(q)  # [T(k), T(m)], stored row-major into the [K, m] copy
+        if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
+            dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows64[None, :] - start)
         else:
-            q = tl.trans(q)  # [T(k), T(m)], stored row-major into the [K, m] copy
-            if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
-                dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows64[None, :] - start)
-            else:
-                dst = offs_k[:, None].to(tl.int64) * M + rows64[None, :]
-            tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
+            dst = offs_k[:, None].to(tl.int64) * M + rows64[None, :]
+        tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
 
 
 # ---- launching ----------------------------------------------------------------------------
@@ -430,6 +419,15 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
+def cast_warps(mode: str, rowwise: bool, columnwise: bool) -> int:
+    """Warps per cast tile: 8, but 4 for the 1x128 column-only cast (the flagged backward's cast
+    of the saved input), which ran 278 vs 326 us with 4 in two sweeps on an H200 (docs); the
+    other casts were as fast or faster with 8, or not consistently faster with 4."""
+    if CAST_WARPS:
+        return CAST_WARPS
+    return 4 if mode == "1x128" and columnwise and not rowwise else 8
+
+
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
             fused: _Fused | None = None,
@@ -452,18 +450,16 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     def ptr(t: torch.Tensor | None) -> torch.Tensor:
         return t if t is not None else dummy
 
-    # the columnwise copy stored as 32-bit words of four rows each, where every row count allows
-    pack = CAST_PACK and columnwise and (aligned if offsets is not None else m % 4 == 0)
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
-                                    POW2=fused.pow2 if fused else False, BP=1024, PACK=pack)
+                                    POW2=fused.pow2 if fused else False, BP=1024)
     _CAST((n_mb, n_kb),
-        x, ptr(row), ptr(row_s), col.view(torch.int32) if pack else ptr(col), ptr(col_s), ptr(tensor_scale),
-        ptr(offsets),
+        x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=CAST_WARPS, **extra,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=cast_warps(mode, rowwise, columnwise),
+        **extra,
     )
     return row, row_s, col, col_s
 
