@@ -320,3 +320,35 @@ def test_segment_offsets_cached_and_bounded() -> None:
         kernels.segment_offsets([i + 100], torch.device("cpu"))
     assert len(kernels._offsets_cache) == kernels._OFFSETS_KEPT
     assert kernels.segment_offsets([3, 0, 5], torch.device("cpu")) is not first  # evicted, rebuilt
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_stacked_advance_equals_one_by_one(algo: str) -> None:
+    """The experts' delayed-scaling state advanced together (one stacked history) holds the same
+    bits as each quantizer advanced alone, over steps with NaN, inf and zero amaxes, and a
+    second record in one step; a history replaced by load_state_dict leaves the stack."""
+    from megatron_fp8.quant.quantizers import DelayedScalingQuantizer as Q
+
+    recipe = DelayedScaling(amax_history_len=4, margin=1, amax_compute_algo=algo)
+    together, alone = ([Q(torch.float8_e4m3fn, recipe) for _ in range(4)] for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 - NaN-safe bitwise comparison
+    for step in range(7):
+        amaxes = [torch.rand(4, generator=gen) * 4.0**step for _ in range(2)]
+        if step == 2:
+            amaxes[0][1:] = torch.tensor([float("nan"), float("inf"), 0.0])
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            for amax in amaxes:  # two records in the step: the second advances nothing
+                stack = Q._advance_peers(together)
+                assert stack is not None
+                stack[:, 0] = torch.maximum(stack[:, 0], amax)
+                for i, q in enumerate(alone):
+                    q._advance()
+                    q.amax_history[0] = torch.maximum(q.amax_history[0], amax[i])
+        for p, q in zip(together, alone):
+            assert torch.equal(bits(p.scale), bits(q.scale))
+            assert torch.equal(bits(p.amax_history), bits(q.amax_history)) and p.step == q.step
+        if step == 3:  # the specials reached the scales
+            assert not torch.isfinite(torch.stack([q.amax_history for q in alone])).all()
+    together[2].load_state_dict(alone[2].state_dict())
+    assert Q._stack_of(together) is None

@@ -298,6 +298,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.amax_history = torch.zeros(recipe.amax_history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.step = 0
+        self._row: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (stack, i, view): see _advance_peers
 
     def _to(self, device: torch.device) -> None:
         if self.amax_history.device != device:
@@ -316,6 +317,44 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.amax_history = torch.roll(h, 1)
         self.amax_history[0] = 0.0
         self.step = now
+
+    @staticmethod
+    def _stack_of(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
+        """The ``[E, L]`` tensor whose row ``i`` is ``peers[i].amax_history``, where a stacked
+        advance left them so (and nothing has replaced a history since), else None."""
+        rows = [p._row for p in peers]
+        if rows[0] is None:
+            return None
+        stack = rows[0][0]
+        ok = stack.shape[0] == len(peers) and all(
+            r is not None and r[0] is stack and r[1] == i and r[2] is p.amax_history
+            for i, (p, r) in enumerate(zip(peers, rows)))
+        return stack if ok else None
+
+    @staticmethod
+    def _advance_peers(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
+        """``_advance`` of every peer (same recipe and format) in one set of launches: their
+        histories stacked ``[E, L]``, each peer's history then a row of it, its scale an element
+        of one new ``[E]`` tensor. Elementwise the same arithmetic, so the same bits as one by
+        one. Returns the stack (None where the peers were not all stale or not stacked)."""
+        now = fp8_step()
+        stale = [p for p in peers if p.step != now]
+        if len(peers) < 2 or len(stale) < len(peers):
+            for p in stale:
+                p._advance()
+            return DelayedScalingQuantizer._stack_of(peers)
+        recipe = peers[0].recipe
+        hist = torch.stack([p.amax_history for p in peers])
+        amax = hist.amax(dim=1) if recipe.amax_compute_algo == "max" else hist[:, 0]
+        new = amax_to_scale(amax, peers[0].fp8_dtype, margin=recipe.margin)
+        usable = torch.isfinite(amax) & (amax > 0)
+        scale = torch.where(usable, new, torch.stack([p.scale for p in peers]))  # new tensors, as one by one
+        hist = torch.roll(hist, 1, dims=1)
+        hist[:, 0] = 0.0
+        for i, p in enumerate(peers):
+            p.scale, p.amax_history, p.step = scale[i], hist[i], now
+            p._row = (hist, i, p.amax_history)
+        return hist
 
     def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
         self._to(x.device)
@@ -348,11 +387,14 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         delayed = [p for p in peers if isinstance(p, DelayedScalingQuantizer)]
         for p in delayed:
             p._to(x.device)
-            p._advance()
+        hist = self._advance_peers(delayed)  # ~20 small launches for all experts, not for each
         amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False)
         amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
-        for i, p in enumerate(delayed):
-            p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
+        if hist is not None:
+            hist[:, 0] = torch.maximum(hist[:, 0], amax)
+        else:
+            for i, p in enumerate(delayed):
+                p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
         in_force = [p.scale for p in delayed]  # kept as the per-expert casts keep them: the state's own
         return self._cast_segments_scaled(x, splits, in_force, rowwise, columnwise, offsets, kept=in_force)
 
@@ -372,6 +414,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.amax_history = hist.to(self.amax_history.device, torch.float32).clone()
         self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
         self.step = int(state["step"])
+        self._row = None
 
 
 class _BlockQuantizer(Quantizer):
