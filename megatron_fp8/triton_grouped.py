@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import Launcher
+
 BLOCK = 128
 BLOCK_C = tl.constexpr(BLOCK)  # scaling-block edge
 STRIDE = tl.constexpr(4)  # per-expert scales 16 bytes apart (triton_cast.STRIDE)
@@ -148,6 +150,7 @@ class Tiles:
 
 
 ROWS, KGROUP = Tiles(), Tiles()
+_ROWS, _KGROUP = Launcher(_rows_kernel), Launcher(_kgroup_kernel)  # ~35 us less host time per launch
 
 
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
@@ -162,10 +165,9 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.T
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     n_tm, n_tn = m // t.bm, triton.cdiv(n, t.bn)
     if m:
-        _rows_kernel[(n_tm * n_tn,)](a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm,
-                                     BN=t.bn, BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum),
-                                     OUT=_OUT[out_dtype], num_warps=t.warps,
-                                     num_stages=t.stages)
+        _ROWS((n_tm * n_tn,), a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm, BN=t.bn,
+              BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype],
+              num_warps=t.warps, num_stages=t.stages)
     return c
 
 
@@ -179,8 +181,7 @@ def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     g = offsets.numel() - 1
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = triton.cdiv(n, t.bm), triton.cdiv(k, t.bn)
-    _kgroup_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm,
-                                       BK=t.bn, BT=BLOCK, IMPRECISE=_imprecise(fast_accum),
-                                       OUT=_OUT[out_dtype], num_warps=t.warps,
-                                       num_stages=t.stages)
+    _KGROUP((g * n_tn * n_tk,), a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm, BK=t.bn,
+            BT=BLOCK, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype], num_warps=t.warps,
+            num_stages=t.stages)
     return c

@@ -1,5 +1,5 @@
 """Host cost of one cast-kernel launch with and without the kept-kernel shortcut
-(``triton_cast._Launcher``), same process, same machine: prints a table (GPU).
+(``megatron_fp8.triton_launch.Launcher``), same process, same machine: prints a table (GPU).
 
     python scripts/launch_overhead.py
 """

@@ -46,14 +46,13 @@ conversion. The GPU tests compare every output with the CPU reference with ``tor
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from ..triton_launch import Launcher
 from .formats import fp8_max
 
 TILE = 128
@@ -270,69 +269,6 @@ def _cast_tile_kernel(
 
 
 # ---- launching ----------------------------------------------------------------------------
-def _spec(value: Any, constexpr: bool) -> Any:
-    """What Triton specializes a compiled kernel on, for one argument (a superset of its rules:
-    tensor dtype and 16-byte alignment; int width, ``== 1`` and divisibility by 16; constexpr
-    values themselves)."""
-    if constexpr:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return bool, value
-    if isinstance(value, int):
-        return int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63
-    return type(value)
-
-
-class _Launcher:
-    """``kernel[grid](*args, **kwargs)`` without Triton's per-call argument binding.
-
-    Triton's ``JITFunction.run`` costs ~35 us of host time per launch here (argument binding,
-    specialization, cache key), more than a cast of a few MB takes on the GPU, so small casts
-    and grouped layers were launch-bound. The first launch per specialization goes through
-    Triton (compiling if needed) and keeps the compiled kernel under our own key (a superset of
-    Triton's specialization, so a kept kernel is only reused where Triton would reuse it); later
-    launches call it directly, as ``run`` itself does after its lookup. Any mismatch with this
-    Triton's launcher API turns the shortcut off for good (plain launches, same results).
-    Triton's interpreter always takes the plain path.
-    """
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        params = getattr(fn, "params", None) or []  # an interpreted function has none
-        self.names = [p.name for p in params]
-        self.constexpr = [bool(p.is_constexpr) for p in params]
-        self.name_set = frozenset(self.names)
-        self.kernels: dict[tuple[Any, ...], Any] = {}
-        self.fast = bool(params) and os.environ.get("TRITON_INTERPRET") != "1"
-
-    def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
-        if not self.fast:
-            self.fn[tuple(grid)](*args, **kwargs)
-            return
-        n = len(args)
-        values = (*args, *(kwargs[name] for name in self.names[n:]))
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set))
-        device = torch.cuda.current_device()
-        key = (device, options, *(_spec(v, c) for v, c in zip(values, self.constexpr)))
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            kernel = self.fn[tuple(grid)](*args, **kwargs)
-            self.kernels[key] = kernel.result() if hasattr(kernel, "result") else kernel
-            return
-        g = (*grid, 1, 1)
-        try:
-            stream = triton.runtime.driver.active.get_current_stream(device)
-            hooks = triton.knobs.runtime
-            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                       kernel.launch_metadata(tuple(grid), stream, *values), hooks.launch_enter_hook,
-                       hooks.launch_exit_hook, *values)
-        except (AttributeError, TypeError):  # another Triton's launcher API: plain launches from now on
-            self.fast = False
-            self.fn[tuple(grid)](*args, **kwargs)
-
-
 @functools.cache
 def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
     fmax = fp8_max(dtype)
@@ -343,8 +279,8 @@ def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
 
 
 Copy = tuple[torch.Tensor, torch.Tensor | None]
-_CAST, _ROW_AMAX = _Launcher(_cast_tile_kernel), _Launcher(_row_amax_kernel)
-_SEGMENT_SCALE, _SCALE_FROM_AMAX = _Launcher(_segment_scale_kernel), _Launcher(_scale_from_amax_kernel)
+_CAST, _ROW_AMAX = Launcher(_cast_tile_kernel), Launcher(_row_amax_kernel)
+_SEGMENT_SCALE, _SCALE_FROM_AMAX = Launcher(_segment_scale_kernel), Launcher(_scale_from_amax_kernel)
 
 
 def cast_tiles(
