@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import Launcher
+from .triton_launch import Launcher, cdiv
 
 BLOCK = 128
 BLOCK_C = tl.constexpr(BLOCK)  # scaling-block edge
@@ -163,7 +163,7 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.T
     m, k = a.shape
     g, n, _ = b.shape
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    n_tm, n_tn = m // t.bm, triton.cdiv(n, t.bn)
+    n_tm, n_tn = m // t.bm, cdiv(n, t.bn)
     if m:
         _ROWS((n_tm * n_tn,), a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm, BN=t.bn,
               BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype],
@@ -180,7 +180,7 @@ def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     t = tiles or KGROUP
     g = offsets.numel() - 1
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
-    n_tn, n_tk = triton.cdiv(n, t.bm), triton.cdiv(k, t.bn)
+    n_tn, n_tk = cdiv(n, t.bm), cdiv(k, t.bn)
     _KGROUP((g * n_tn * n_tk,), a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm, BK=t.bn,
             BT=BLOCK, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype], num_warps=t.warps,
             num_stages=t.stages)

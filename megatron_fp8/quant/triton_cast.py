@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import Launcher
+from ..triton_launch import Launcher, cdiv
 from .formats import fp8_max
 
 TILE = 128
@@ -295,7 +295,7 @@ def cast_tiles(
     if mode == "128x128":
         return (row, row_s), ((col, row_s.t().contiguous()) if columnwise else None)
     if mode == "1x128":
-        row_s = row_s.view(triton.cdiv(k, TILE), m).t() if row_s is not None else None  # [M, K/128], M-major
+        row_s = row_s.view(cdiv(k, TILE), m).t() if row_s is not None else None  # [M, K/128], M-major
         col_s = col_s.t() if col_s is not None else None  # [K, M/128], K-major
     return ((row, row_s) if rowwise else None), ((col, col_s) if columnwise else None)
 
@@ -322,7 +322,7 @@ def _split_segments(
 ) -> tuple[list[Copy] | None, list[Copy] | None]:
     """Per-segment ``(data, scale_inv)`` views of a segmented launch's raw outputs."""
     row, row_s, col, col_s = raw
-    n_kb = triton.cdiv(k, TILE)
+    n_kb = cdiv(k, TILE)
     rows: list[Copy] | None = [] if rowwise else None
     cols: list[Copy] | None = [] if columnwise else None
     col_s_all = None  # 128x128, equal splits (stacked weights): every transposed scale block in one buffer
@@ -370,7 +370,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
     m, k = x.shape
-    n_mb, n_kb = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
+    n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
     row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
     col = torch.empty((k * m,) if offsets is not None else (k, m), dtype=fp8_dtype, device=dev) if columnwise else None
@@ -408,11 +408,11 @@ _MIN_PROGRAMS = 1024
 def _amax_partials(x: torch.Tensor, per_program: bool) -> tuple[torch.Tensor, int]:
     """``(part, s)``: |x| maxima as FP32 bits per row (or per ``_R``-row program) and K slice."""
     m, k = x.shape
-    n_r = triton.cdiv(m, _R)
-    n_kc = triton.cdiv(k, _BK)
+    n_r = cdiv(m, _R)
+    n_kc = cdiv(k, _BK)
     s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
-    k_per = triton.cdiv(n_kc, s) * _BK
-    s = triton.cdiv(k, k_per) if k else 1
+    k_per = cdiv(n_kc, s) * _BK
+    s = cdiv(k, k_per) if k else 1
     part = torch.empty(((n_r if per_program else m) * s,), dtype=torch.int32, device=x.device)
     if m and k:
         _ROW_AMAX((n_r, s), x, part, m, k, s, k_per, R=_R, BK=_BK, PER_PROGRAM=per_program, num_warps=4)
@@ -468,7 +468,7 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int =
     a = amax.contiguous().float()
     n = a.numel()
     sc, inv = aligned_scalars(n, a.device), aligned_scalars(n, a.device)
-    _SCALE_FROM_AMAX((triton.cdiv(max(n, 1), 256),),
+    _SCALE_FROM_AMAX((cdiv(max(n, 1), 256),),
         a, sc, inv, n, FMAX=fp8_max(fp8_dtype), EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin),
         POW2=power_2_scale, B=256, num_warps=4,
     )
