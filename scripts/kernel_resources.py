@@ -73,8 +73,10 @@ def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps
     """[registers, spill stores (bytes), stack frame (bytes), shared (bytes)] from ``ptxas -v``."""
     sig = dict(args) | {k: "constexpr" for k in const}
     options: dict[str, Any] = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
-    # what a JIT launch on the benchmarks' shapes specializes on: 16-byte aligned pointers and
-    # sizes divisible by 16 (without these hints no load or store is vectorized)
+    # close to what a JIT launch on the benchmarks' shapes specializes on: 16-byte aligned
+    # pointers, M, N, K divisible by 16 (without these no load or store is vectorized); the JIT
+    # also marks other integer arguments divisible by 16 and turns those equal to 1 into
+    # constants, which this leaves out
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in args
              if t.startswith("*") or n in ("M", "K", "N")}
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)

@@ -348,7 +348,12 @@ def test_delayed_stacked_advance_equals_one_by_one(algo: str) -> None:
         for p, q in zip(together, alone):
             assert torch.equal(bits(p.scale), bits(q.scale))
             assert torch.equal(bits(p.amax_history), bits(q.amax_history)) and p.step == q.step
-        if step == 3:  # the specials reached the scales
+        if step == 3:  # the specials are in the histories the scales come from
             assert not torch.isfinite(torch.stack([q.amax_history for q in alone])).all()
     together[2].load_state_dict(alone[2].state_dict())
     assert Q._stack_of(together) is None
+    with mf.fp8_autocast(fp8_recipe=recipe):  # one peer advanced alone first: no stack, one by one
+        together[0]._advance()
+        assert Q._advance_peers(together) is None
+        assert all(p.step == together[0].step for p in together)
+    assert Q._advance_peers([together[1], together[1]]) is None  # one quantizer listed twice

@@ -322,7 +322,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
     def _stack_of(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
         """The ``[E, L]`` tensor whose row ``i`` is ``peers[i].amax_history``, where a stacked
         advance left them so (and nothing has replaced a history since), else None."""
-        rows = [p._row for p in peers]
+        rows = [getattr(p, "_row", None) for p in peers]
         if rows[0] is None:
             return None
         stack = rows[0][0]
@@ -336,10 +336,12 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         """``_advance`` of every peer (same recipe and format) in one set of launches: their
         histories stacked ``[E, L]``, each peer's history then a row of it, its scale an element
         of one new ``[E]`` tensor. Elementwise the same arithmetic, so the same bits as one by
-        one. Returns the stack (None where the peers were not all stale or not stacked)."""
+        one. Returns the stack the peers' histories are rows of (also when a stacked advance
+        earlier in the step left them so), or None: then the caller records one by one. Peers
+        that are not all stale, or one quantizer listed twice, advance one by one."""
         now = fp8_step()
         stale = [p for p in peers if p.step != now]
-        if len(peers) < 2 or len(stale) < len(peers):
+        if len(peers) < 2 or len(stale) < len(peers) or len({id(p) for p in peers}) < len(peers):
             for p in stale:
                 p._advance()
             return DelayedScalingQuantizer._stack_of(peers)
