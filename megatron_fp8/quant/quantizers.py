@@ -309,14 +309,19 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         now = fp8_step()
         if now == self.step:
             return
-        h = self.amax_history
-        amax = h.max() if self.recipe.amax_compute_algo == "max" else h[0]
+        self.scale, self.amax_history = self._next_state(self.amax_history, self.scale)
+        self.step = now
+
+    def _next_state(self, hist: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's new ``(scale, history)`` from the history (``[L]``, or ``[E, L]`` for
+        experts advanced together) and the scale in force (``[]`` / ``[E]``): new tensors, so
+        saved snapshots stay valid; a non-finite or zero amax keeps the old scale."""
+        amax = hist.amax(dim=-1) if self.recipe.amax_compute_algo == "max" else hist[..., 0]
         new = amax_to_scale(amax, self.fp8_dtype, margin=self.recipe.margin)
         usable = torch.isfinite(amax) & (amax > 0)
-        self.scale = torch.where(usable, new, self.scale)  # a new tensor: saved snapshots stay valid
-        self.amax_history = torch.roll(h, 1)
-        self.amax_history[0] = 0.0
-        self.step = now
+        hist = torch.roll(hist, 1, dims=-1)
+        hist[..., 0] = 0.0
+        return torch.where(usable, new, scale), hist
 
     @staticmethod
     def _stack_of(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
@@ -345,14 +350,8 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             for p in stale:
                 p._advance()
             return DelayedScalingQuantizer._stack_of(peers)
-        recipe = peers[0].recipe
-        hist = torch.stack([p.amax_history for p in peers])
-        amax = hist.amax(dim=1) if recipe.amax_compute_algo == "max" else hist[:, 0]
-        new = amax_to_scale(amax, peers[0].fp8_dtype, margin=recipe.margin)
-        usable = torch.isfinite(amax) & (amax > 0)
-        scale = torch.where(usable, new, torch.stack([p.scale for p in peers]))  # new tensors, as one by one
-        hist = torch.roll(hist, 1, dims=1)
-        hist[:, 0] = 0.0
+        scale, hist = peers[0]._next_state(torch.stack([p.amax_history for p in peers]),
+                                           torch.stack([p.scale for p in peers]))
         for i, p in enumerate(peers):
             p.scale, p.amax_history, p.step = scale[i], hist[i], now
             p._row = (hist, i, p.amax_history)
