@@ -53,7 +53,7 @@ def _expert_of(row, off_ptr, n_exp):
 @triton.jit
 def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm, n_tn,
                  BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr, PIPE: tl.constexpr, OUT: tl.constexpr):
+                 GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * n_tn  # tiles ordered in bands of GROUP_M row tiles (L2 reuse of b)
     first_m = pid // per_group * GROUP_M
@@ -70,7 +70,6 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
     n_kb = tl.cdiv(K, BK)
     n_nb = tl.cdiv(N, BLOCK_C)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    prev = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, n_kb):
         kk = kb * BK + rk
         a = tl.load(a_ptr + rm[:, None] * K + kk[None, :], mask=kk[None, :] < K, other=0.0)
@@ -80,23 +79,12 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
             part = tl.dot(a, tl.trans(b), max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
             s_a = tl.load(sa_ptr + start * n_kb + kb * m_e + (rm - start))  # [BM]
             if BN == BLOCK_C:
-                scaled = part * (s_a * tl.load(sb_ptr + (e * n_nb + pid_n) * n_kb + kb))[:, None]
+                acc += part * (s_a * tl.load(sb_ptr + (e * n_nb + pid_n) * n_kb + kb))[:, None]
             else:
                 s_b = tl.load(sb_ptr + (e * n_nb + rn // BLOCK_C) * n_kb + kb, mask=rn < N, other=0.0)  # [BN]
-                scaled = part * s_a[:, None] * s_b[None, :]
-            if PIPE:
-                acc += prev
-                prev = scaled
-            else:
-                acc += scaled
-        elif PIPE:  # promotion written out, one step behind the MMA (same sums in the same order)
-            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-            acc += prev
-            prev = part
+                acc += part * s_a[:, None] * s_b[None, :]
         else:
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
-    if PIPE:
-        acc += prev
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
@@ -105,7 +93,7 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
 @triton.jit
 def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
                    BLOCKED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   IMPRECISE: tl.constexpr, PIPE: tl.constexpr, OUT: tl.constexpr):
+                   IMPRECISE: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
     per_e = n_tn * n_tk
     e = pid // per_e
@@ -118,7 +106,6 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
     a_base = a_ptr + N * start
     b_base = b_ptr + K * start
     acc = tl.zeros([BN, BK], dtype=tl.float32)
-    prev = tl.zeros([BN, BK], dtype=tl.float32)
     for t0 in range(0, m_e, BT):
         tt = t0 + rt
         a = tl.load(a_base + rn[:, None].to(tl.int64) * m_e + tt[None, :], mask=rn[:, None] < N, other=0.0)
@@ -128,19 +115,9 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
             tb = start // BT + t0 // BT
             s_a = tl.load(sa_ptr + tb * N + rn, mask=rn < N, other=0.0)
             s_b = tl.load(sb_ptr + tb * K + rk, mask=rk < K, other=0.0)
-            if PIPE:
-                acc += prev
-                prev = part * s_a[:, None] * s_b[None, :]
-            else:
-                acc += part * s_a[:, None] * s_b[None, :]
-        elif PIPE:
-            part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
-            acc += prev
-            prev = part
+            acc += part * s_a[:, None] * s_b[None, :]
         else:
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
-    if PIPE:
-        acc += prev
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
     dst = c_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
@@ -170,7 +147,6 @@ class Tiles:
     warps: int = 8
     stages: int = 3
     group_m: int = 8
-    pipe: bool = False  # FP32 promotion written out one K step behind its MMA (promoted sums only)
 
 
 ROWS, KGROUP = Tiles(), Tiles()
@@ -190,8 +166,8 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.T
     n_tm, n_tn = m // t.bm, cdiv(n, t.bn)
     if m:
         _ROWS((n_tm * n_tn,), a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm, BN=t.bn,
-              BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum),
-              PIPE=t.pipe and (blocked or not fast_accum), OUT=_OUT[out_dtype], num_warps=t.warps, num_stages=t.stages)
+              BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype],
+              num_warps=t.warps, num_stages=t.stages)
     return c
 
 
@@ -206,7 +182,6 @@ def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = cdiv(n, t.bm), cdiv(k, t.bn)
     _KGROUP((g * n_tn * n_tk,), a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm, BK=t.bn,
-            BT=BLOCK, IMPRECISE=_imprecise(fast_accum), PIPE=t.pipe and (blocked or not fast_accum),
-            OUT=_OUT[out_dtype], num_warps=t.warps,
+            BT=BLOCK, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype], num_warps=t.warps,
             num_stages=t.stages)
     return c

@@ -24,11 +24,8 @@ from megatron_fp8 import triton_grouped as tg
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # first run (2026-12-02): 128x128 w8 s3 best for rows; w4, 64-row and 256-wide tiles 5-75% slower
-# sixth session: pipe=True (promotion one K step behind its MMA) added to the sweep
-ROW_TILES = [tg.Tiles(128, 128, 8, 3), tg.Tiles(128, 128, 8, 3, pipe=True), tg.Tiles(128, 128, 8, 4),
-             tg.Tiles(128, 128, 8, 4, pipe=True), tg.Tiles(128, 256, 8, 3, pipe=True)]
-KGROUP_TILES = [tg.Tiles(128, 128, 8, 3), tg.Tiles(128, 128, 8, 3, pipe=True), tg.Tiles(128, 128, 8, 4),
-                tg.Tiles(128, 128, 8, 4, pipe=True), tg.Tiles(128, 256, 8, 3, pipe=True)]
+ROW_TILES = [tg.Tiles(128, 128, 8, 3), tg.Tiles(128, 128, 8, 4), tg.Tiles(128, 256, 8, 3)]
+KGROUP_TILES = [tg.Tiles(128, 128, 8, 3), tg.Tiles(128, 128, 8, 4), tg.Tiles(128, 256, 8, 3), tg.Tiles(256, 128, 8, 3)]
 
 
 def _fp8(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -141,7 +138,7 @@ def _bf16(experts: int, tokens: int, k: int, n: int) -> dict[str, float]:
 
 
 def _tiles(t: tg.Tiles) -> str:
-    return f"{t.bm}x{t.bn} w{t.warps} s{t.stages}{' pipe' if t.pipe else ''}"
+    return f"{t.bm}x{t.bn} w{t.warps} s{t.stages}"
 
 
 def run_shape(experts: int, tokens: int, k: int, n: int, quick: bool) -> list[list[object]]:
@@ -173,7 +170,7 @@ def run_shape(experts: int, tokens: int, k: int, n: int, quick: bool) -> list[li
     wgrad_b = KGroupProblem(splits, n, k, E4)
 
     row_tiles = ROW_TILES[:2] if quick else ROW_TILES
-    kg_tiles = KGROUP_TILES[:2] if quick else KGROUP_TILES  # the first two: default and pipe
+    kg_tiles = KGROUP_TILES[:2] if quick else KGROUP_TILES
     for gemm, prob, blocked, tiles in (("fprop", fprop, False, row_tiles), ("fprop", fprop, True, row_tiles),
                                        ("dgrad", dgrad, False, row_tiles), ("dgrad", dgrad_b, True, row_tiles),
                                        ("wgrad", wgrad, False, kg_tiles), ("wgrad", wgrad_b, True, kg_tiles)):

@@ -108,33 +108,3 @@ def test_accumulation_no_worse_than_cublas(fast_accum: bool) -> None:
     err_triton, err_cublas = _norm_rel(got, want), _norm_rel(torch.cat(cublas), want)
     print(f"K={k} {'fast' if fast_accum else 'precise'}: triton {err_triton:.2e}, cuBLAS {err_cublas:.2e}")
     assert err_triton <= 2 * err_cublas + 1e-7
-
-
-@pytest.mark.parametrize("name", list(QUANTIZERS))
-def test_pipelined_promotion_same_bits(name: str) -> None:
-    """``Tiles(pipe=True)`` writes the FP32 promotion out one K step behind its MMA: the same sums
-    in the same order as the default kernel, so the same bits (promoted dgrad/wgrad sums and
-    block-scaled sums; fast-accumulated fprop ignores the flag)."""
-    torch.manual_seed(2)
-    g = len(SPLITS)
-    qx, qw, qg = QUANTIZERS[name]
-    blocked = name == "block"
-    x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
-    dy = (torch.randn(sum(SPLITS), N) * 0.01).bfloat16().to(DEV)
-    w = (torch.randn(g * N, K) * 0.05).bfloat16().to(DEV)
-    xs = qx.quantize_segments(x, SPLITS, peers=[qx] * g, rowwise=False, columnwise=True)
-    ws = qw.quantize_segments(w, [N] * g, peers=[qw] * g, rowwise=False, columnwise=True)
-    gs = qg.quantize_segments(dy, SPLITS, peers=[qg] * g, rowwise=True, columnwise=True)
-    assert xs is not None and ws is not None and gs is not None
-    off = kernels.segment_offsets(SPLITS, x.device)
-    m = sum(SPLITS)
-    plain, piped = tg.Tiles(), tg.Tiles(pipe=True)
-    gr, wc = gs[0].rowwise, ws[0].columnwise
-    a, b = gr.data.as_strided((m, N), (N, 1)), wc.data.as_strided((g, K, N), (K * N, N, 1))
-    rows = [tg.grouped_rows(a, b, gr.scale_inv, wc.scale_inv, off, torch.float32, blocked=blocked, tiles=t)
-            for t in (plain, piped)]
-    dc, xc = gs[0].columnwise, xs[0].columnwise
-    kgroup = [tg.grouped_kgroup(dc.data, xc.data, dc.scale_inv, xc.scale_inv, off, N, K, torch.float32,
-                                blocked=blocked, tiles=t) for t in (plain, piped)]
-    assert rows[0].abs().sum() > 0 and kgroup[0].abs().sum() > 0
-    assert torch.equal(rows[0], rows[1]) and torch.equal(kgroup[0], kgroup[1])
