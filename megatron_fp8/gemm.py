@@ -338,10 +338,22 @@ def _grouped_ok(device: torch.device) -> bool:
     return hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _grouped_backend() -> str:
+def _grouped_backend(device: torch.device) -> str:
+    """The grouped-GEMM path ``MEGATRON_FP8_GROUPED_GEMM`` asks for, with ``auto`` resolved to
+    ``loop`` while a CUDA graph is being captured on ``device``'s current stream.
+
+    Why: the one-launch kernels exist for the host (eager MoE steps are launch-bound), and a
+    graph replays without the host, so there the GPU's rate decides, and cuBLAS per expert is
+    faster than our Triton grouped kernels (H200, 2026-12-02, 8 x 2048 tokens, whole graphed
+    fwd+bwd step: current scaling 1.13 vs 1.26 ms at K=4096/N=2048 and 1.79 vs 2.20 ms at
+    K=2048/N=7168; blocks 1.24 vs 1.49 and 2.03 vs 2.62 ms). Per-expert cuBLAS is also bitwise a
+    list of separate ``Linear``s; a graphed step's numbers therefore equal an eager step's under
+    ``loop``, not under ``auto`` (set ``triton`` or ``loop`` to pin one path in both)."""
     v = os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower()
     if v not in ("auto", "torch", "triton", "loop"):
         raise ValueError(f"MEGATRON_FP8_GROUPED_GEMM={v!r}; allowed: 'auto', 'torch', 'triton', 'loop'")
+    if v == "auto" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "loop"
     return v
 
 
@@ -394,7 +406,8 @@ def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], out_dtype
     tensorwise operands or the block pair the caller checked, every split a multiple of 128 and
     each operand's experts back to back in one buffer. None otherwise."""
     a0, b0 = a[0], b[0]
-    if not (len(a) > 1 and _grouped_backend() in ("auto", "triton") and _triton_grouped_here(a0.data.device)
+    dev = a0.data.device
+    if not (len(a) > 1 and _grouped_backend(dev) in ("auto", "triton") and _triton_grouped_here(dev)
             and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)
             and back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])):
@@ -467,9 +480,10 @@ def grouped_gemm_cat(
     kernels; measured 2026-12-02 on an H200, a current-scaling grouped step took 2.99 ms with it
     and 3.63 ms with ``torch._scaled_grouped_mm`` first, whose scale set-up costs ~10 small
     launches), then torch's; ``torch`` uses torch's only (bitwise equal to the per-expert cuBLAS
-    GEMMs); ``loop`` one ``scaled_mm`` per expert."""
+    GEMMs); ``loop`` one ``scaled_mm`` per expert, which is also what ``auto`` does while a CUDA
+    graph is captured (``_grouped_backend``)."""
     out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name)
-    if out is None and _grouped_backend() in ("auto", "torch"):
+    if out is None and _grouped_backend(a[0].data.device) in ("auto", "torch"):
         out = _grouped_native(a, b, out_dtype, fast_accum, name)
     if out is not None:
         return out

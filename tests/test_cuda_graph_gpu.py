@@ -6,7 +6,9 @@ training step of a Linear or a GroupedLinear must therefore be capturable: no ho
 host-side state the replay would miss. Bitwise: a replay on fresh data equals an eager step of
 an identical layer on the same data (same kernels), for current scaling and 1x128/128x128 blocks
 (stateless recipes; delayed scaling's history would advance differently between the two), with
-save_original_input off and on.
+save_original_input off and on. Grouped layers: ``MEGATRON_FP8_GROUPED_GEMM=auto`` captures
+cuBLAS per expert (the eager reference runs ``loop``, the same kernels), ``triton`` captures the
+one-launch Triton kernels (eager ``triton``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 import megatron_fp8 as mf
+from megatron_fp8 import gemm as core
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
 from megatron_fp8.testing import capture_step
@@ -48,11 +51,30 @@ def _stepper(module: torch.nn.Module, kind: str, recipe, x: torch.Tensor, dy: to
 
 @pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "flag-on"])
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
-@pytest.mark.parametrize("kind", ["linear", "grouped"])
-def test_step_replays_bitwise(kind: str, recipe: str, flag: bool) -> None:
+@pytest.mark.parametrize("kind", ["linear", "grouped-auto", "grouped-triton"])
+def test_step_replays_bitwise(kind: str, recipe: str, flag: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = kind.partition("-")[2]
+    kind = kind.partition("-")[0]
+    if path:
+        monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", path)
     x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_()
     dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16).normal_()
-    graph, outs = capture_step(_stepper(_module(kind, flag), kind, PRESETS[recipe], x, dy))
+    step, calls = _stepper(_module(kind, flag), kind, PRESETS[recipe], x, dy), []
+
+    def step_recorded() -> list[torch.Tensor]:  # the GEMMs of the captured call (not the warm-up's)
+        if not torch.cuda.is_current_stream_capturing():
+            return step()
+        with core.record_gemms() as captured:
+            out = step()
+        calls.extend(captured)
+        return out
+
+    graph, outs = capture_step(step_recorded)
+    assert calls
+    if kind == "grouped":  # what the capture ran: per-expert cuBLAS under auto, one launch under triton
+        assert all(("[triton]" in c.name) == (path == "triton") for c in calls), [c.name for c in calls]
+    if path == "auto":
+        monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
     eager = _module(kind, flag)
     for seed in (1, 2):  # two fresh inputs: the replay reads its inputs, not what it captured
         g = torch.Generator(device="cuda").manual_seed(seed)
