@@ -278,15 +278,22 @@ def grouped_gemm(
             for i, (ai, bi) in enumerate(zip(a, b))]
 
 
+def _address(t: torch.Tensor) -> int:
+    """Where ``t`` starts in memory, also for an empty view (whose ``data_ptr()`` is 0)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+
+
 def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
-    """Whether contiguous tensors lie one after another in one storage (no gaps, in order)."""
+    """Whether contiguous tensors lie one after another in memory (no gaps, in order). An empty
+    tensor after the first is never read through the first one's buffer: only its dtype counts."""
     d0 = datas[0]
-    ptr, offset = d0.untyped_storage().data_ptr(), d0.storage_offset()
+    size = d0.element_size()
+    ptr = _address(d0)
     for d in datas:
-        if not d.is_contiguous() or d.dtype != d0.dtype or d.untyped_storage().data_ptr() != ptr \
-                or d.storage_offset() != offset:
+        n = d.numel()
+        if d.dtype != d0.dtype or (n and (d.data_ptr() != ptr or not d.is_contiguous())):
             return False
-        offset += d.numel()
+        ptr += n * size
     return True
 
 
@@ -370,11 +377,11 @@ def _triton_grouped_here(dev: torch.device) -> bool:
 
 
 def _strided_from(ts: Sequence[torch.Tensor], steps: Sequence[int]) -> bool:
-    """Whether ``ts[i]`` starts ``steps[i]`` elements after ``ts[0]`` in the same storage."""
+    """Whether ``ts[i]`` starts ``steps[i]`` elements after ``ts[0]`` in memory (an empty
+    expert's scales are never read: not checked)."""
     t0 = ts[0]
-    ptr = t0.untyped_storage().data_ptr()
-    return all(t.numel() == 0 or (t.untyped_storage().data_ptr() == ptr  # an empty expert's is never read
-                                  and t.storage_offset() == t0.storage_offset() + st) for t, st in zip(ts, steps))
+    ptr, size = _address(t0), t0.element_size()
+    return all(t.numel() == 0 or t.data_ptr() == ptr + st * size for t, st in zip(ts, steps))
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

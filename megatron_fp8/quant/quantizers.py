@@ -123,7 +123,8 @@ class Quantizer(abc.ABC):
         return (type(self), self.fp8_dtype)
 
     def _peers_match(self, peers: Sequence[Quantizer]) -> bool:
-        return all(q._config() == self._config() for q in peers)
+        mine = self._config()
+        return all(q is self or q._config() == mine for q in peers)
 
     def check_shape(self, shape: tuple[int, int], *, rowwise: bool, columnwise: bool) -> None:  # noqa: B027
         """Raise the error ``quantize`` would raise for a 2-D ``shape``, without casting (lets a
@@ -171,8 +172,9 @@ class _PerTensorQuantizer(Quantizer):
                       kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
         """Per-segment QuantizedTensors from one-launch copies, their inverse scales (``inv [E]``,
         16 bytes apart) and the scales each keeps (``kept``)."""
-        row_inv = [(d, inv[i]) for i, d in enumerate(rows)] if rows is not None else None
-        col_inv = [(d, inv[i]) for i, d in enumerate(cols)] if cols is not None else None
+        invs = inv.unbind(0)  # one call for every segment's scalar view
+        row_inv = list(zip(rows, invs)) if rows is not None else None
+        col_inv = list(zip(cols, invs)) if cols is not None else None
         return self._segment_tensors(x, splits, row_inv, col_inv, kept)
 
     def _cast_segments_scaled(self, x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
@@ -184,7 +186,7 @@ class _PerTensorQuantizer(Quantizer):
         inv = kernels.aligned_copy(torch.reciprocal(scale))
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
         return self._segments_out(x, splits, rows, cols, inv,
-                                  list(kept) if kept is not None else [scale[i] for i in range(len(splits))])
+                                  list(kept) if kept is not None else scale.unbind(0))
 
     def quantize(
         self,
@@ -272,7 +274,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             assert scale is not None and inv is not None
             rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise,
                                                           offsets)
-        return self._segments_out(x, splits, rows, cols, inv, [scale[i] for i in range(len(splits))])
+        return self._segments_out(x, splits, rows, cols, inv, scale.unbind(0))
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):

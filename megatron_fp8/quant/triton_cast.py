@@ -328,17 +328,21 @@ def _split_segments(
     col_s_all = None  # 128x128, equal splits (stacked weights): every transposed scale block in one buffer
     if mode == "128x128" and columnwise and len(set(splits)) == 1:
         col_s_all = row_s.view(len(splits), splits[0] // TILE, n_kb).transpose(1, 2).contiguous()
+    if mode == "tensor":  # no block scales: the data views only, each list in one split call
+        if rows is not None:
+            rows = [(r, None) for r in row.split(splits)]
+        if cols is not None:
+            cols = [(c.view(k, n), None) for c, n in zip(col.split([k * n for n in splits]), splits)]
+        return rows, cols
     lo = 0
     for i, n in enumerate(splits):
         hi = lo + n
         if mode == "1x128":
             r_s = row_s[lo * n_kb : hi * n_kb].view(n_kb, n).t() if row_s is not None else None
             c_s = col_s[lo // TILE : hi // TILE].t() if col_s is not None else None
-        elif mode == "128x128":  # the columnwise copy's blocks are the rowwise ones transposed
+        else:  # 128x128: the columnwise copy's blocks are the rowwise ones transposed
             r_s = row_s[lo // TILE : hi // TILE]
             c_s = col_s_all[i] if col_s_all is not None else r_s.t().contiguous()
-        else:
-            r_s = c_s = None
         if rows is not None:
             rows.append((row[lo:hi], r_s))
         if cols is not None:

@@ -5,7 +5,10 @@ layer on its shard, and checks, for column/row x SP on/off x bias on/off x FP8 o
 x save_original_input on/off:
 
 * ``bitwise``: column fprop and wgrad/bgrad shards, row dgrad and wgrad shards, and the row
-  bias grad without SP are bitwise those of the TP=1 layer (the per-shard math is identical);
+  bias grad without SP are bitwise those of the TP=1 layer (the per-shard math is identical).
+  Row dgrad: bitwise where this CPU's BLAS gives a GEMM's output columns the same bits whatever
+  the output width (``_blas_width_exact``); an AVX-512 machine's did not at TP=4 (the same
+  failure with the FP8 recipes off), so there the shard is checked within ``RTOL`` instead;
 * ``close``: what a TP reduction reorders (column dgrad, row fprop, row bias grad with SP)
   is within ``RTOL`` of the TP=1 result;
 * ``flag``: save_original_input on == off, bitwise, for out, dx, dw, db;
@@ -18,6 +21,7 @@ tokens per rank (s/tp * b) = 128, K = 128 * tp, N = 2 * K.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 import zlib
@@ -55,6 +59,18 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe_name:
         results.append({"out": y.detach(), "dx": xi.grad, "dw": layer.weight.grad,
                         "db": layer.bias.grad if layer.bias is not None else None})
     return results
+
+
+@functools.cache
+def _blas_width_exact(m: int, contraction: int, width: int, tp: int) -> bool:
+    """Whether ``a @ b`` and ``a @ b.T`` (FP32, this CPU's BLAS) give each output column the same
+    bits when only a 1/tp slice of the columns is computed: the row dgrad's bitwise premise (the
+    TP=1 reference computes every column, a rank only its shard)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, contraction, generator=g), torch.randn(contraction, width, generator=g)
+    bt = b.t().contiguous()
+    return all(torch.equal((a @ b).chunk(tp, 1)[r], a @ b.chunk(tp, 1)[r].clone())
+               and torch.equal((a @ bt.t()).chunk(tp, 1)[r], a @ bt.chunk(tp, 0)[r].clone().t()) for r in range(tp))
 
 
 class Case:
@@ -134,7 +150,11 @@ class Case:
             return
         want_out = self.shard(ref["out"], 0) if self.sp else ref["out"]
         ck.close(f"{cat}_fprop_reduced", f"{tag} out", got["out"], want_out, RTOL)
-        ck.bitwise(cat, f"{tag} dx (dgrad shard)", got["dx"], self.shard(ref["dx"], 2))
+        want_dx = self.shard(ref["dx"], 2)
+        if _blas_width_exact(self.s * self.b, self.n, self.k, self.tp):
+            ck.bitwise(cat, f"{tag} dx (dgrad shard)", got["dx"], want_dx)
+        else:  # the BLAS's bits depend on the output width here: see the module docstring
+            ck.close(cat, f"{tag} dx (dgrad shard, BLAS not width-exact)", got["dx"], want_dx, RTOL)
         ck.bitwise(cat, f"{tag} dw (wgrad shard)", got["dw"], self.shard(ref["dw"], 1))
         if self.bias and not self.sp:
             ck.bitwise(cat, f"{tag} db", got["db"], ref["db"])
@@ -247,7 +267,10 @@ def check_extras(ck: Checker, rank: int, tp: int) -> None:
     ck.true("extras", b is row.bias, "skip_bias_add: the bias parameter is not returned")
     (y + b).backward(rcase.dy)
     ck.close("extras_reduced", "input_is_parallel=False out", (y + b).detach(), rref["out"], RTOL)
-    ck.bitwise("extras", "input_is_parallel=False dx (gathered)", x.grad, rref["dx"])
+    if _blas_width_exact(rcase.s * rcase.b, rcase.n, rcase.k, tp):  # the gathered row dgrad shards
+        ck.bitwise("extras", "input_is_parallel=False dx (gathered)", x.grad, rref["dx"])
+    else:
+        ck.close("extras", "input_is_parallel=False dx (gathered, BLAS not width-exact)", x.grad, rref["dx"], RTOL)
     w = col.weight
     ck.true("extras", (w.tensor_model_parallel, w.partition_dim, w.partition_stride) == (True, 0, 1),
             "column weight TP attributes")
