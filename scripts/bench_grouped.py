@@ -8,9 +8,11 @@ FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.
 BF16 baseline: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` forward; backward as two
 explicit grouped calls (dgrad ``dy @ w``, wgrad ``dy.T @ x`` grouped along the tokens).
 Our FP8 path: one launch casts every expert's input (per-expert scales), one launch per GEMM
-(``gemm.grouped_gemm_cat`` / ``grouped_wgrad``: the Triton grouped kernels by default,
-``MEGATRON_FP8_GROUPED_GEMM`` picks others); the rowwise ``torch._scaled_grouped_mm`` GEMM-only
-forward is shown as a peer. "fwd" runs under ``no_grad`` (no columnwise casts); "fwd+bwd" is the
+(``gemm.grouped_gemm_cat`` / ``grouped_wgrad``: the Triton grouped kernels by default, cuBLAS
+per expert while a CUDA graph is captured, ``MEGATRON_FP8_GROUPED_GEMM`` picks others); the
+rowwise ``torch._scaled_grouped_mm`` GEMM-only forward is shown as a peer. "weights cached":
+the FP8 weights cast once and reused (``is_first_microbatch=False``: the later micro-batches of
+a gradient-accumulation step). "fwd" runs under ``no_grad`` (no columnwise casts); "fwd+bwd" is the
 training step (x requires grad: fprop, dgrad and wgrad, as the BF16 baseline runs; before
 2026-12-02 x did not, so earlier FP8 fwd+bwd figures lacked dgrad), the number the targets are
 about. "(CUDA graph)" rows replay the same step from a captured graph
@@ -114,7 +116,7 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -
         rows.append(["fp8 rowwise _scaled_grouped_mm", "-", "-", "-", "-", f"failed: {type(e).__name__}: {e}"[:100]])
     for name in recipes:
         for flag, cached, graphed in ((False, False, False), (True, False, False), (False, True, False),
-                                      (False, False, True), (True, False, True)):
+                                      (False, False, True), (True, False, True), (False, True, True)):
             if graphed and name not in GRAPHED:
                 continue
             layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
