@@ -23,6 +23,7 @@ import enum
 import functools
 import itertools
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -359,9 +360,27 @@ def _grouped_backend(device: torch.device) -> str:
     v = os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower()
     if v not in ("auto", "torch", "triton", "loop"):
         raise ValueError(f"MEGATRON_FP8_GROUPED_GEMM={v!r}; allowed: 'auto', 'torch', 'triton', 'loop'")
-    if v == "auto" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return "loop"
+    if v == "auto" and device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return "loop"
+        _cublas_ready(device)
     return v
+
+
+_cublas_threads: set[tuple[int, torch.device]] = set()
+
+
+def _cublas_ready(device: torch.device) -> None:
+    """Create this thread's cuBLAS handle for ``device`` now, in an eager step: ``auto`` runs
+    no cuBLAS GEMM in eager grouped steps, and a graph captured later does (per expert), where
+    cuBLAS cannot create its handle (``cublasCreate`` fails inside a capture). Handles are per
+    thread: the forward's and the autograd engine's backward thread each get theirs here, in the
+    warm-up steps a capture needs anyway."""
+    key = (threading.get_ident(), device)
+    if key not in _cublas_threads:
+        with torch.cuda.device(device):
+            torch.cuda.current_blas_handle()
+        _cublas_threads.add(key)
 
 
 def _triton_grouped_here(dev: torch.device) -> bool:

@@ -89,3 +89,37 @@ def test_step_replays_bitwise(kind: str, recipe: str, flag: bool, monkeypatch: p
         assert len(want) == len(outs)
         for i, (got, ref) in enumerate(zip(outs, want)):
             assert torch.equal(got, ref), f"{kind} {recipe} flag={flag} data {seed}: output {i} differs"
+
+
+_FRESH_PROCESS = """
+import torch
+import megatron_fp8 as mf
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import capture_step
+splits = [128, 256, 128]
+x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+layer = GroupedLinear(3, 384, 256, params_dtype=torch.bfloat16, device="cuda")
+def step():
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        y = layer(x, splits)
+    y.backward(dy)
+capture_step(step)[0].replay()
+torch.cuda.synchronize()
+print("captured and replayed")
+"""
+
+
+def test_grouped_capture_in_a_fresh_process() -> None:
+    """The first cuBLAS GEMMs of a process may come inside the capture (``auto`` runs none in
+    eager grouped steps): the eager warm-up must have created the cuBLAS handles of the forward's
+    thread and of the autograd thread (``gemm._cublas_ready``), or ``cublasCreate`` fails there."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "captured and replayed" in run.stdout, run.stderr[-3000:]
