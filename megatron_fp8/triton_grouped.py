@@ -6,6 +6,9 @@ gradients and block scales on SM90. Measured on an H200 (2026-12-02, 8 x 2048 to
 ``scripts/bench_triton_grouped.py``): fprop ~1100 TFLOP/s (cuBLAS per expert ~1150), dgrad and
 wgrad with FP32 promotion ~760-820 (cuBLAS ~950-1050), 1x128 x 128x128 blocks ~620-720. Tiles
 are 128x128x128, 8 warps, 3 stages (the best of a small sweep); no TMA, no warp specialization.
+A graph replays without the host, so while one is captured ``gemm`` takes cuBLAS per expert
+instead. Writing the FP32 promotion out one K step behind its MMA (same bits) ran slower
+(dgrad 686 vs 760 TFLOP/s, block wgrad 576 vs 634; sixth session): not kept.
 
 Two problem shapes, both with every expert's operands back to back in one buffer (as the
 one-launch expert casts leave them) and every token count a multiple of 128:

@@ -33,10 +33,10 @@ block's amax, and so every real value and scale, unchanged, and add exact zeros 
 sum: the result is that of a Linear run on the zero-padded tokens. Forward outputs and dgrad
 never see the padding.
 
-GEMMs: fprop and dgrad go through ``gemm.grouped_gemm_cat``: one ``torch._scaled_grouped_mm``
-where the operands allow it (SM90, per-tensor E4M3 operands of every expert in one buffer each,
-as the one-launch casts leave them: current scaling's fprop; its E5M2 gradients are refused by
-that kernel), else one GEMM per expert; wgrad runs per expert.
+GEMMs: fprop and dgrad go through ``gemm.grouped_gemm_cat``, wgrad through
+``gemm.grouped_wgrad``: in eager CUDA steps one Triton launch for all experts where the operands
+lie back to back (as the one-launch casts leave them), while a CUDA graph is captured one cuBLAS
+GEMM per expert (``MEGATRON_FP8_GROUPED_GEMM`` pins a path), else one GEMM per expert.
 
 Saved for backward: per expert the columnwise FP8 copy of ``x_i`` (default), or with
 ``save_original_input`` the original ``x`` object once (plus each expert's per-tensor scale);
