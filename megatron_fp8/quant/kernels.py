@@ -238,13 +238,23 @@ def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor
 
 
 def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,
-                       power_2_scale: bool = False, amax_epsilon: float = 0.0
+                       power_2_scale: bool = False, amax_epsilon: float = 0.0, history: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA)."""
+    """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA);
+    ``history [E, L]``: each amax also joins ``history[:, 0]`` (``torch.maximum``)."""
     off = segment_offsets(splits, x.device)
     amax, s, inv = _triton().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
-                                           power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+                                           power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, history=history)
     return amax, s, inv, off
+
+
+def delayed_state(history: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, margin: int, algo_max: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every expert's delayed-scaling step in one launch (``triton_cast.delayed_state``), or None
+    off the kernels' device (the caller then runs the same arithmetic in torch)."""
+    if not _fused(history) or not history.is_contiguous():
+        return None
+    return _triton().delayed_state(history, scale, dtype, margin=margin, algo_max=algo_max)
 
 
 CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]

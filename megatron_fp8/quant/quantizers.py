@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -277,6 +277,16 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         return self._segments_out(x, splits, rows, cols, inv, scale.unbind(0))
 
 
+class Advanced(NamedTuple):
+    """What ``DelayedScalingQuantizer._advance_peers`` left: the peers' stacked history (or
+    None) and, where this call advanced them in one launch, the new scales 16 bytes apart and
+    their inverses (else None)."""
+
+    hist: torch.Tensor | None
+    scale: torch.Tensor | None = None
+    inv: torch.Tensor | None = None
+
+
 class DelayedScalingQuantizer(_PerTensorQuantizer):
     """Scale from the amax history of past steps; this cast's amax joins the history.
 
@@ -339,25 +349,36 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         return stack if ok else None
 
     @staticmethod
-    def _advance_peers(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
-        """``_advance`` of every peer (same recipe and format) in one set of launches: their
-        histories stacked ``[E, L]``, each peer's history then a row of it, its scale an element
-        of one new ``[E]`` tensor. Elementwise the same arithmetic, so the same bits as one by
-        one. Returns the stack the peers' histories are rows of (also when a stacked advance
-        earlier in the step left them so), or None: then the caller records one by one. Peers
-        that are not all stale, or one quantizer listed twice, advance one by one."""
+    def _advance_peers(peers: Sequence[DelayedScalingQuantizer]) -> Advanced:
+        """``_advance`` of every peer (same recipe and format) together: their histories
+        stacked ``[E, L]``, each peer's history then a row of it, its scale an element of one new
+        ``[E]`` tensor; on the kernels' device one launch (``kernels.delayed_state``), which also
+        gives the scales 16 bytes apart and their inverses (``Advanced.scale`` / ``.inv``), else
+        ~20 torch ops for all peers. Elementwise the same arithmetic, so the same bits as one by
+        one. ``Advanced.hist``: the stack the peers' histories are rows of (also when a stacked
+        advance earlier in the step left them so), or None: then the caller records one by one.
+        Peers that are not all stale, or one quantizer listed twice, advance one by one."""
         now = fp8_step()
         stale = [p for p in peers if p.step != now]
         if len(peers) < 2 or len(stale) < len(peers) or len({id(p) for p in peers}) < len(peers):
             for p in stale:
                 p._advance()
-            return DelayedScalingQuantizer._stack_of(peers)
-        scale, hist = peers[0]._next_state(torch.stack([p.amax_history for p in peers]),
-                                           torch.stack([p.scale for p in peers]))
-        for i, p in enumerate(peers):
-            p.scale, p.amax_history, p.step = scale[i], hist[i], now
-            p._row = (hist, i, p.amax_history)
-        return hist
+            return Advanced(DelayedScalingQuantizer._stack_of(peers))
+        p0 = peers[0]
+        stack = DelayedScalingQuantizer._stack_of(peers)
+        if stack is None:
+            stack = torch.stack([p.amax_history for p in peers])
+        scales = torch.stack([p.scale for p in peers])
+        fused = kernels.delayed_state(stack, scales, p0.fp8_dtype, margin=p0.recipe.margin,
+                                      algo_max=p0.recipe.amax_compute_algo == "max")
+        if fused is not None:
+            scale, inv, hist = fused
+        else:
+            (scale, hist), inv = p0._next_state(stack, scales), None
+        for p, s, h, i in zip(peers, scale.unbind(0), hist.unbind(0), range(len(peers))):
+            p.scale, p.amax_history, p.step = s, h, now
+            p._row = (hist, i, h)
+        return Advanced(hist, scale if inv is not None else None, inv)
 
     def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
         self._to(x.device)
@@ -390,15 +411,23 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         delayed = [p for p in peers if isinstance(p, DelayedScalingQuantizer)]
         for p in delayed:
             p._to(x.device)
-        hist = self._advance_peers(delayed)  # ~20 small launches for all experts, not for each
-        amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False)
-        amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
-        if hist is not None:
-            hist[:, 0] = torch.maximum(hist[:, 0], amax)
-        else:
-            for i, p in enumerate(delayed):
-                p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
+        adv = self._advance_peers(delayed)  # one launch (or ~20 small ones) for all experts, not per expert
+        hist = adv.hist
+        record_here = hist is not None and hist.is_contiguous() and not _grouped(self.group)
+        amax, _, _, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=False,
+                                                         history=hist if record_here else None)
+        if not record_here:
+            amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
+            if hist is not None:
+                hist[:, 0] = torch.maximum(hist[:, 0], amax)
+            else:
+                for i, p in enumerate(delayed):
+                    p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
         in_force = [p.scale for p in delayed]  # kept as the per-expert casts keep them: the state's own
+        if adv.scale is not None and adv.inv is not None:  # this step's scales, already laid out for the cast
+            rows, cols = kernels.cast_tensorwise_segments(x, splits, adv.scale, self.fp8_dtype, rowwise, columnwise,
+                                                          offsets)
+            return self._segments_out(x, splits, rows, cols, adv.inv, in_force)
         return self._cast_segments_scaled(x, splits, in_force, rowwise, columnwise, offsets, kept=in_force)
 
     def state_dict(self) -> dict[str, Any]:

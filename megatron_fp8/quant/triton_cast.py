@@ -140,10 +140,11 @@ def _amax_of_partials(part_ptr, lo, hi, B: tl.constexpr):
 
 
 @triton.jit
-def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
+def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr, hist_ptr, L,
                           SEG: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
-                          MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, B: tl.constexpr):
-    """Per segment ``e``: amax over its rows' partials, then (if ``SCALE``) scale and 1/scale."""
+                          MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HIST: tl.constexpr, B: tl.constexpr):
+    """Per segment ``e``: amax over its rows' partials, then (if ``SCALE``) scale and 1/scale;
+    with ``HIST`` the amax also joins ``hist[e, 0]`` (``torch.maximum``: a NaN wins)."""
     e = tl.program_id(0)
     if SEG:
         lo = tl.load(seg_ptr + e) * S
@@ -153,10 +154,40 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
         hi = M * S
     amax = _amax_of_partials(part_ptr, lo, hi, B)
     tl.store(amax_ptr + e, amax)
+    if HIST:
+        slot = hist_ptr + e.to(tl.int64) * L
+        tl.store(slot, tl.maximum(tl.load(slot), amax, propagate_nan=tl.PropagateNan.ALL))
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
         tl.store(scale_ptr + e * SCALE_STRIDE, s)
         tl.store(inv_ptr + e * SCALE_STRIDE, inv)
+
+
+@triton.jit
+def _delayed_state_kernel(hist_ptr, scale_ptr, s_stride, new_hist_ptr, new_scale_ptr, new_inv_ptr, L,
+                          FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr, ALGO_MAX: tl.constexpr,
+                          BL: tl.constexpr):
+    """One delayed-scaling step of expert ``e``'s state (``DelayedScalingQuantizer._next_state``):
+    the history's amax (its max, NaN if any is NaN; or its newest entry), the scale it gives
+    where that amax is finite and positive (else the old scale), 1/scale, and the history rolled
+    by one with a zero in front. Scales 16 bytes apart; histories ``[E, L]`` rows."""
+    e = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BL)
+    row = hist_ptr + e * L
+    h = tl.load(row + offs, mask=offs < L, other=float("-inf"))
+    if ALGO_MAX:
+        amax = tl.max(h, axis=0)
+        amax = tl.where(tl.sum((h != h).to(tl.int32), axis=0) > 0, float("nan"), amax)
+    else:
+        amax = tl.load(row)
+    new_s, new_inv = _tensor_scale(amax, FMAX, 0.0, MARGIN_DIV, False)
+    old = tl.load(scale_ptr + e * s_stride)
+    old_inv = ((tl.zeros_like(old).to(tl.float64) + 1.0) / old.to(tl.float64)).to(tl.float32)
+    usable = (amax > 0) & (amax < float("inf"))
+    tl.store(new_scale_ptr + e * SCALE_STRIDE, tl.where(usable, new_s, old))
+    tl.store(new_inv_ptr + e * SCALE_STRIDE, tl.where(usable, new_inv, old_inv))
+    shifted = tl.load(row + offs - 1, mask=(offs >= 1) & (offs < L), other=0.0)
+    tl.store(new_hist_ptr + e * L + offs, shifted, mask=offs < L)
 
 
 @triton.jit
@@ -281,6 +312,7 @@ def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
 Copy = tuple[torch.Tensor, torch.Tensor | None]
 _CAST, _ROW_AMAX = Launcher(_cast_tile_kernel), Launcher(_row_amax_kernel)
 _SEGMENT_SCALE, _SCALE_FROM_AMAX = Launcher(_segment_scale_kernel), Launcher(_scale_from_amax_kernel)
+_DELAYED_STATE = Launcher(_delayed_state_kernel)
 
 
 def cast_tiles(
@@ -449,9 +481,11 @@ def cast_current(
 def amax_and_scale(
     x: torch.Tensor, fp8_dtype: torch.dtype, *, offsets: torch.Tensor | None = None, n_seg: int = 1,
     scale: bool = True, margin: int = 0, power_2_scale: bool = False, amax_epsilon: float = 0.0,
+    history: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(amax [E], scale [E], 1/scale [E])`` of ``x [M, K]`` (or of each row segment): two
-    launches. ``scale=False``: amax only (to be reduced over a group first)."""
+    launches. ``scale=False``: amax only (to be reduced over a group first). ``history``
+    (``[E, L]``, contiguous): each amax also joins ``history[:, 0]`` as ``torch.maximum``."""
     m, k = x.shape
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=False)
@@ -460,10 +494,26 @@ def amax_and_scale(
     inv = aligned_scalars(n_seg, x.device) if scale else None
     _SEGMENT_SCALE((n_seg,),
         part, offsets if offsets is not None else part, m, s, amax, sc if sc is not None else amax,
-        inv if inv is not None else amax, SEG=offsets is not None, SCALE=scale, FMAX=fp8_max(fp8_dtype),
-        EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin), POW2=power_2_scale, B=1024, num_warps=4,
+        inv if inv is not None else amax, history if history is not None else amax,
+        history.shape[-1] if history is not None else 1, SEG=offsets is not None, SCALE=scale,
+        FMAX=fp8_max(fp8_dtype), EPS=float(amax_epsilon), MARGIN_DIV=float(2**margin), POW2=power_2_scale,
+        HIST=history is not None, B=1024, num_warps=4,
     )
     return amax, sc, inv
+
+
+def delayed_state(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int,
+                  algo_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every expert's delayed-scaling step in one launch: ``history [E, L]`` (contiguous) and
+    the scales in force ``scale [E]`` (any stride) -> ``(scale [E], 1/scale [E], history [E, L])``,
+    new tensors, scales 16 bytes apart."""
+    e, hist_len = history.shape
+    sc, inv = aligned_scalars(e, history.device), aligned_scalars(e, history.device)
+    new_hist = torch.empty_like(history)
+    _DELAYED_STATE((e,), history, scale, scale.stride(0), new_hist, sc, inv, hist_len, FMAX=fp8_max(fp8_dtype),
+                   MARGIN_DIV=float(2**margin), ALGO_MAX=algo_max, BL=triton.next_power_of_2(hist_len),
+                   num_warps=4)
+    return sc, inv, new_hist
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int = 0, power_2_scale: bool = False,
