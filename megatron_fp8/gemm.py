@@ -284,9 +284,17 @@ def _address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
 
 
+def _inside_first(t0: torch.Tensor, end: int) -> bool:
+    """Whether memory up to address ``end`` lies in ``t0``'s storage: adjacent tensors of two
+    allocations (the CUDA caching allocator places same-size blocks side by side) must not pass
+    for one buffer, since callers view them all through ``t0``'s storage."""
+    store = t0.untyped_storage()
+    return end <= store.data_ptr() + store.nbytes()
+
+
 def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
-    """Whether contiguous tensors lie one after another in memory (no gaps, in order). An empty
-    tensor after the first is never read through the first one's buffer: only its dtype counts."""
+    """Whether contiguous tensors lie one after another in the first one's storage (no gaps, in
+    order). An empty tensor after the first is never read: only its dtype counts."""
     d0 = datas[0]
     size = d0.element_size()
     ptr = _address(d0)
@@ -295,7 +303,7 @@ def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
         if d.dtype != d0.dtype or (n and (d.data_ptr() != ptr or not d.is_contiguous())):
             return False
         ptr += n * size
-    return True
+    return _inside_first(d0, ptr)
 
 
 @functools.cache
@@ -348,7 +356,8 @@ def _grouped_ok(device: torch.device) -> bool:
 
 def _grouped_backend(device: torch.device) -> str:
     """The grouped-GEMM path ``MEGATRON_FP8_GROUPED_GEMM`` asks for, with ``auto`` resolved to
-    ``loop`` while a CUDA graph is being captured on ``device``'s current stream.
+    ``loop`` while a CUDA graph is being captured on the current stream (of the current device,
+    where a step that captures ``device``'s layers runs).
 
     Why: the one-launch kernels exist for the host (eager MoE steps are launch-bound), and a
     graph replays without the host, so there the GPU's rate decides, and cuBLAS per expert is
@@ -400,7 +409,14 @@ def _strided_from(ts: Sequence[torch.Tensor], steps: Sequence[int]) -> bool:
     expert's scales are never read: not checked)."""
     t0 = ts[0]
     ptr, size = _address(t0), t0.element_size()
-    return all(t.numel() == 0 or t.data_ptr() == ptr + st * size for t, st in zip(ts, steps))
+    end = ptr
+    for t, st in zip(ts, steps):
+        n = t.numel()
+        if n:
+            if t.data_ptr() != ptr + st * size:
+                return False
+            end = max(end, t.data_ptr() + n * size)
+    return _inside_first(t0, end)
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

@@ -118,8 +118,10 @@ def test_grouped_capture_in_a_fresh_process() -> None:
     """The first cuBLAS GEMMs of a process may come inside the capture (``auto`` runs none in
     eager grouped steps): the eager warm-up must have created the cuBLAS handles of the forward's
     thread and of the autograd thread (``gemm._cublas_ready``), or ``cublasCreate`` fails there."""
+    import os
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "MEGATRON_FP8_GROUPED_GEMM": "auto"}  # eager steps then run no cuBLAS GEMM
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and "captured and replayed" in run.stdout, run.stderr[-3000:]

@@ -308,6 +308,8 @@ def test_back_to_back_detects_one_buffer_in_order() -> None:
     assert not back_to_back([buf[:6].view(2, 3), buf[9:15].view(2, 3)])  # a gap
     assert not back_to_back([buf[:6].view(2, 3), torch.zeros(2, 3)])  # another buffer
     assert not back_to_back([buf[:12].view(3, 4)[:, :2], buf[12:18].view(3, 2)])  # not contiguous
+    arr = buf.numpy()  # adjacent in memory, but two storages (as two allocations side by side)
+    assert not back_to_back([torch.from_numpy(arr[:6]), torch.from_numpy(arr[6:12])])
 
 
 def test_segment_offsets_cached_and_bounded() -> None:
@@ -342,9 +344,16 @@ def test_delayed_stacked_advance_equals_one_by_one(algo: str, device: str) -> No
             amaxes[0][1:] = torch.tensor([float("nan"), float("inf"), 0.0], device=device)
         with mf.fp8_autocast(fp8_recipe=recipe):
             for amax in amaxes:  # two records in the step: the second advances nothing
-                stack = Q._advance_peers(together).hist
+                adv = Q._advance_peers(together)
+                stack = adv.hist
                 assert stack is not None
-                stack[:, 0] = torch.maximum(stack[:, 0], amax)
+                if adv.inv is not None:  # the one-launch step's inverses: torch.reciprocal's bits
+                    assert torch.equal(bits(adv.inv), bits(torch.reciprocal(torch.stack([p.scale for p in together]))))
+                x = amax.view(-1, 1)  # one row per expert whose |max| is its amax
+                if kernels.segments_fused(x, False):  # the amax kernel records into the stack
+                    kernels.segment_amax_scale(x, [1] * len(together), torch.float8_e4m3fn, scale=False, history=stack)
+                else:
+                    stack[:, 0] = torch.maximum(stack[:, 0], amax)
                 for i, q in enumerate(alone):
                     q._advance()
                     q.amax_history[0] = torch.maximum(q.amax_history[0], amax[i])

@@ -35,8 +35,9 @@ never see the padding.
 
 GEMMs: fprop and dgrad go through ``gemm.grouped_gemm_cat``, wgrad through
 ``gemm.grouped_wgrad``: in eager CUDA steps one Triton launch for all experts where the operands
-lie back to back (as the one-launch casts leave them), while a CUDA graph is captured one cuBLAS
-GEMM per expert (``MEGATRON_FP8_GROUPED_GEMM`` pins a path), else one GEMM per expert.
+lie back to back (as the one-launch casts leave them), else one ``torch._scaled_grouped_mm``
+where it applies (SM90, per-tensor E4M3 operands), else one GEMM per expert; while a CUDA graph
+is captured one cuBLAS GEMM per expert (``MEGATRON_FP8_GROUPED_GEMM`` pins a path).
 
 Saved for backward: per expert the columnwise FP8 copy of ``x_i`` (default), or with
 ``save_original_input`` the original ``x`` object once (plus each expert's per-tensor scale);

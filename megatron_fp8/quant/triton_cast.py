@@ -156,7 +156,8 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
     tl.store(amax_ptr + e, amax)
     if HIST:
         slot = hist_ptr + e.to(tl.int64) * L
-        tl.store(slot, tl.maximum(tl.load(slot), amax, propagate_nan=tl.PropagateNan.ALL))
+        old = tl.load(slot)  # torch.maximum(old, amax) on CUDA: old if NaN, else the larger (amax if NaN)
+        tl.store(slot, tl.where(old != old, old, tl.where(old > amax, old, amax)))
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
         tl.store(scale_ptr + e * SCALE_STRIDE, s)
@@ -487,6 +488,8 @@ def amax_and_scale(
     launches. ``scale=False``: amax only (to be reduced over a group first). ``history``
     (``[E, L]``, contiguous): each amax also joins ``history[:, 0]`` as ``torch.maximum``."""
     m, k = x.shape
+    if history is not None and (history.dim() != 2 or history.shape[0] != n_seg or not history.is_contiguous()):
+        raise ValueError(f"amax_and_scale: history {tuple(history.shape)} must be a contiguous [{n_seg}, L] stack")
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=False)
     amax = torch.empty((n_seg,), dtype=torch.float32, device=x.device)
