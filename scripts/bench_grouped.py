@@ -125,10 +125,10 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -
             if graphed:  # the same step replayed from a graph: the host's launch cost taken away
                 try:
                     f, fb = capture_step(f)[0].replay, capture_step(fb)[0].replay
-                except Exception as e:  # report, never hide
-                    rows.append([f"fp8 {name} (CUDA graph)", "-", "-", "-", "-",
-                                 f"failed: {type(e).__name__}: {e}"[:100]])
-                    continue
+                except Exception as e:  # a failed capture leaves the CUDA RNG in capture mode: stop here
+                    cause = e.__context__ or e  # capture_end's error hides the one raised inside the capture
+                    raise SystemExit(f"fp8 {name} (CUDA graph): capture failed: {type(cause).__name__}: {cause}; "
+                                     f"the process's CUDA state is no longer usable for the remaining rows") from e
             t_f, t_fb = median_ms(f), median_ms(fb)
             ref_f, ref_fb = (graph_f, graph_fb) if graphed else (base_f, base_fb)
             add(f"fp8 {name} flag={'on' if flag else 'off'}{' weights cached' if cached else ''}"
