@@ -347,8 +347,9 @@ def test_delayed_stacked_advance_equals_one_by_one(algo: str, device: str) -> No
                 adv = Q._advance_peers(together)
                 stack = adv.hist
                 assert stack is not None
-                if adv.inv is not None:  # the one-launch step's inverses: torch.reciprocal's bits
-                    assert torch.equal(bits(adv.inv), bits(torch.reciprocal(torch.stack([p.scale for p in together]))))
+                if adv.laid_out is not None:  # the one-launch step's inverses: torch.reciprocal's bits
+                    inv = adv.laid_out[1]
+                    assert torch.equal(bits(inv), bits(torch.reciprocal(torch.stack([p.scale for p in together]))))
                 x = amax.view(-1, 1)  # one row per expert whose |max| is its amax
                 if kernels.segments_fused(x, False):  # the amax kernel records into the stack
                     kernels.segment_amax_scale(x, [1] * len(together), torch.float8_e4m3fn, scale=False, history=stack)

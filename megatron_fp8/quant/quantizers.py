@@ -184,9 +184,15 @@ class _PerTensorQuantizer(Quantizer):
         ``kept[i]`` (default: its scale in the aligned copy)."""
         scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))
         inv = kernels.aligned_copy(torch.reciprocal(scale))
+        return self._cast_laid_out(x, splits, scale, inv, rowwise, columnwise, offsets,
+                                   list(kept) if kept is not None else scale.unbind(0))
+
+    def _cast_laid_out(self, x: torch.Tensor, splits: Sequence[int], scale: torch.Tensor, inv: torch.Tensor,
+                       rowwise: bool, columnwise: bool, offsets: torch.Tensor | None,
+                       kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
+        """Every segment cast in one launch with ``scale [E]`` / ``inv [E]`` (16 bytes apart)."""
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
-        return self._segments_out(x, splits, rows, cols, inv,
-                                  list(kept) if kept is not None else scale.unbind(0))
+        return self._segments_out(x, splits, rows, cols, inv, kept)
 
     def quantize(
         self,
@@ -279,12 +285,11 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
 
 class Advanced(NamedTuple):
     """What ``DelayedScalingQuantizer._advance_peers`` left: the peers' stacked history (or
-    None) and, where this call advanced them in one launch, the new scales 16 bytes apart and
-    their inverses (else None)."""
+    None) and, where this call advanced them in one launch, ``(scales, inverses)``, each ``[E]``
+    16 bytes apart (else None)."""
 
     hist: torch.Tensor | None
-    scale: torch.Tensor | None = None
-    inv: torch.Tensor | None = None
+    laid_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DelayedScalingQuantizer(_PerTensorQuantizer):
@@ -353,7 +358,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         """``_advance`` of every peer (same recipe and format) together: their histories
         stacked ``[E, L]``, each peer's history then a row of it, its scale an element of one new
         ``[E]`` tensor; on the kernels' device one launch (``kernels.delayed_state``), which also
-        gives the scales 16 bytes apart and their inverses (``Advanced.scale`` / ``.inv``), else
+        gives the scales 16 bytes apart and their inverses (``Advanced.laid_out``), else
         ~20 torch ops for all peers. Elementwise the same arithmetic, so the same bits as one by
         one. ``Advanced.hist``: the stack the peers' histories are rows of (also when a stacked
         advance earlier in the step left them so), or None: then the caller records one by one.
@@ -374,11 +379,11 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         if fused is not None:
             scale, inv, hist = fused
         else:
-            (scale, hist), inv = p0._next_state(stack, scales), None
+            scale, hist = p0._next_state(stack, scales)
         for p, s, h, i in zip(peers, scale.unbind(0), hist.unbind(0), range(len(peers))):
             p.scale, p.amax_history, p.step = s, h, now
             p._row = (hist, i, h)
-        return Advanced(hist, scale if inv is not None else None, inv)
+        return Advanced(hist, (scale, inv) if fused is not None else None)
 
     def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
         self._to(x.device)
@@ -424,10 +429,8 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
                 for i, p in enumerate(delayed):
                     p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
         in_force = [p.scale for p in delayed]  # kept as the per-expert casts keep them: the state's own
-        if adv.scale is not None and adv.inv is not None:  # this step's scales, already laid out for the cast
-            rows, cols = kernels.cast_tensorwise_segments(x, splits, adv.scale, self.fp8_dtype, rowwise, columnwise,
-                                                          offsets)
-            return self._segments_out(x, splits, rows, cols, adv.inv, in_force)
+        if adv.laid_out is not None:  # this step's scales and inverses, already laid out for the cast
+            return self._cast_laid_out(x, splits, *adv.laid_out, rowwise, columnwise, offsets, in_force)
         return self._cast_segments_scaled(x, splits, in_force, rowwise, columnwise, offsets, kept=in_force)
 
     def state_dict(self) -> dict[str, Any]:
