@@ -31,11 +31,11 @@ def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[]
     return train_step(lin, x, dy, PRESETS[recipe])
 
 
-def _grouped_step(recipe: str) -> Callable[[], None]:
+def _grouped_step(recipe: str, k: int = 4096, n: int = 2048) -> Callable[[], None]:
     splits = [2048] * 8
-    x = torch.randn(sum(splits), 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(sum(splits), 2048, device="cuda", dtype=torch.bfloat16) * 1e-3
-    layer = GroupedLinear(8, 4096, 2048, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    layer = GroupedLinear(8, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
     return train_step(layer, x, dy, PRESETS[recipe], splits)
 
 
@@ -77,6 +77,8 @@ CASES = {
     "linear-k2048": lambda: {f"current_k2048_{f}": _linear_step(16384, 7168, 2048, "current", f == "on")
                              for f in ("off", "on")},
     "grouped": lambda: {f"grouped_{r}": _grouped_step(r) for r in ("current", "blockwise")},
+    "grouped-n7168": lambda: {f"grouped_k2048_n7168_{r}": _grouped_step(r, 2048, 7168)
+                              for r in ("current", "blockwise")},
 }
 
 

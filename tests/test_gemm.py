@@ -146,3 +146,23 @@ def test_grouped_gemm_equals_per_expert_gemms(recipe, splits: list[int]) -> None
         assert torch.equal(o, core.gemm(ai, bi, torch.bfloat16))
     with pytest.raises(ValueError, match="sum to"):
         core.split_rows(a_all, [1, 2])
+
+
+@pytest.mark.parametrize("backend", ["emulate", "native"])
+def test_grouped_loop_writes_each_experts_rows(recipe, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-expert loop of ``grouped_gemm_cat`` writes each GEMM into its rows of one output
+    (``gemm(..., out=)``): bitwise the concatenation of separate ``gemm`` calls, zero-token
+    experts included, on CPU ``_scaled_mm.out`` where it runs and the emulation."""
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
+    splits, n, k = [128, 0, 48, 80], 128, 256  # small: CPU _scaled_mm is slow
+    a = core.split_rows(make_quantizer(recipe, TensorRole.INPUT).quantize(torch.randn(sum(splits), k)).rowwise, splits)
+    b = [make_quantizer(recipe, TensorRole.WEIGHT).quantize(torch.randn(n, k)).rowwise for _ in splits]
+    if backend == "native" and not core.native_supported(a[0].layout, b[0].layout, torch.device("cpu")):
+        pytest.skip(f"CPU torch has no native GEMM for {a[0].layout.value} operands")
+    for dtype in (torch.float32, torch.bfloat16):
+        with core.force_backend(backend), core.record_gemms() as calls:
+            got = core.grouped_gemm_cat(a, b, dtype, name="fprop")
+        assert {c.backend for c in calls} == {core.Backend(backend)} and len(calls) == len(splits)
+        with core.force_backend(backend):
+            want = torch.cat([core.gemm(ai, bi, dtype) for ai, bi in zip(a, b)])
+        assert got.dtype == dtype and torch.equal(got, want)

@@ -103,3 +103,23 @@ def test_triton_grouped_gemms_close_to_per_expert(name: str, monkeypatch: pytest
         assert torch.equal(g, o)
         scale = w.float().abs().max().item() or 1.0
         assert (g.float() - w.float()).abs().max().item() <= 2**-6 * scale
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_loop_writes_each_experts_rows_on_cuda(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loop`` (and a CUDA graph's ``auto``): each expert's cuBLAS GEMM writes its rows of one
+    output (``_scaled_mm.out`` / ``_scaled_mm_v2.out``), bitwise the concatenation of separate
+    GEMMs, for BF16 and FP32 outputs (FP32 block outputs may take cuBLAS's BF16-then-cast path)."""
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
+    from megatron_fp8.quant import make_quantizer
+    from megatron_fp8.recipe import TensorRole
+
+    recipe = RECIPES[name]
+    x = torch.randn(sum(SPLITS), K, device="cuda", dtype=torch.bfloat16)
+    a = core.split_rows(make_quantizer(recipe, TensorRole.INPUT).quantize(x).rowwise, SPLITS)
+    b = [make_quantizer(recipe, TensorRole.WEIGHT).quantize(torch.randn(N, K, device="cuda")).rowwise
+         for _ in SPLITS]
+    for dtype in (torch.bfloat16, torch.float32):
+        got = core.grouped_gemm_cat(a, b, dtype, name="fprop")
+        want = torch.cat([core.gemm(ai, bi, dtype) for ai, bi in zip(a, b)])
+        assert got.dtype == dtype and torch.equal(got, want)
