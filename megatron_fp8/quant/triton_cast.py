@@ -285,14 +285,18 @@ def _cast_tile_kernel(
             q = _quantize(x, s_all, FMAX, OUT)
         tl.store(row_ptr + rows64[:, None] * K + offs_k[None, :], q, mask=mask)
     if DO_COL:
-        if MODE == 0:
-            s_c, inv_c = _pow2_scale(tl.max(a, axis=0), F_EXP, F_MANT)  # [T]: one per column
+        if MODE == 0:  # the tile loaded again, transposed by its pointers (an L2 hit; the only
+            # load of a column-only cast): [T(k), T(m)], the stored layout. Measured on an H200
+            # against quantizing x and transposing the FP8 tile: column-only 63 vs 87 us, row +
+            # column 112 vs 118 us (16384x4096 bf16), same bits.
+            xt = tl.load(x_ptr + rows64[None, :] * K + offs_k[:, None],
+                         mask=(offs_k[:, None] < K) & (offs_m[None, :] < M), other=0.0).to(tl.float32)
+            s_c, inv_c = _pow2_scale(tl.max(tl.abs(xt), axis=1), F_EXP, F_MANT)  # [T]: one per column
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
             tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
-            q = _quantize(x, s_c[None, :], FMAX, OUT)
+            q = _quantize(xt, s_c[:, None], FMAX, OUT)
         else:
-            q = _quantize(x, s_all, FMAX, OUT)
-        q = tl.trans(q)  # [T(k), T(m)], stored row-major into the [K, m] copy
+            q = tl.trans(_quantize(x, s_all, FMAX, OUT))  # [T(k), T(m)], stored row-major into the [K, m] copy
         if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
             dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows64[None, :] - start)
         else:
