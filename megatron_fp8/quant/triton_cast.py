@@ -210,6 +210,21 @@ def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
+def _segment_bounds(row, seg_ptr, n_seg, M, NSEG: tl.constexpr):
+    """Segment ``e`` of one row (``offsets[e] <= row < offsets[e + 1]``) with its start and end,
+    from one vector load of the ``n_seg + 1`` offsets (``NSEG``: a power of two above ``n_seg``).
+    A loop of scalar loads, one per segment, serialized their latency in every program: the
+    stacked experts' weight cast ran 117 us where a plain cast of the same size takes 78 (H200)."""
+    j = tl.arange(0, NSEG)
+    offs = tl.load(seg_ptr + j, mask=j <= n_seg, other=0)
+    below = (j <= n_seg) & (offs <= row)  # a prefix of the offsets: offsets[0] = 0 <= row < offsets[n_seg]
+    eid = tl.sum(((j >= 1) & (j < n_seg) & below).to(tl.int64), axis=0)
+    start = tl.max(tl.where(below, offs, 0), axis=0)
+    end = tl.min(tl.where(j <= n_seg, tl.where(offs > row, offs, M), M), axis=0)
+    return eid, start, end
+
+
+@triton.jit
 def _segment_of(rows, seg_ptr, n_seg):
     """Segment index of each row (``offsets[e] <= row < offsets[e + 1]``)."""
     eid = tl.zeros_like(rows)
@@ -219,13 +234,20 @@ def _segment_of(rows, seg_ptr, n_seg):
 
 
 @triton.jit
+def _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K):
+    """The tile ``x[offs_m, offs_k]`` as ``[T(k), T(m)]`` FP32 (the columnwise copy's layout)."""
+    return tl.load(x_ptr + rows64[None, :] * K + offs_k[:, None],
+                   mask=(offs_k[:, None] < K) & (offs_m[None, :] < M), other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _cast_tile_kernel(
     x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
     part_ptr, inv_ptr, M, K, n_kb, n_mb, n_seg, n_part, S_PART,
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr,
+    BP: tl.constexpr, NSEG: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
@@ -237,9 +259,9 @@ def _cast_tile_kernel(
     rows64 = offs_m.to(tl.int64)
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
         if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
-            eid = _segment_of(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
-            start = tl.multiple_of(tl.load(seg_ptr + eid), T)  # the hints keep the stores vectorized
-            length = tl.multiple_of(tl.load(seg_ptr + eid + 1) - start, T)
+            eid, start, end = _segment_bounds(pid_m.to(tl.int64) * T, seg_ptr, n_seg, M, NSEG)
+            start = tl.multiple_of(start, T)  # the hints keep the stores vectorized
+            length = tl.multiple_of(end - start, T)
         else:  # tensor mode only: a tile may span segments, so per row ([1, T] for the transposed store)
             eid = _segment_of(rows64, seg_ptr, n_seg)
             start = tl.load(seg_ptr + eid, mask=offs_m < M, other=0)[None, :]
@@ -285,16 +307,19 @@ def _cast_tile_kernel(
             q = _quantize(x, s_all, FMAX, OUT)
         tl.store(row_ptr + rows64[:, None] * K + offs_k[None, :], q, mask=mask)
     if DO_COL:
-        if MODE == 0:  # the tile loaded again, transposed by its pointers (an L2 hit; the only
-            # load of a column-only cast): [T(k), T(m)], the stored layout. Measured on an H200
-            # against quantizing x and transposing the FP8 tile: column-only 63 vs 87 us, row +
-            # column 112 vs 118 us (16384x4096 bf16), same bits.
-            xt = tl.load(x_ptr + rows64[None, :] * K + offs_k[:, None],
-                         mask=(offs_k[:, None] < K) & (offs_m[None, :] < M), other=0.0).to(tl.float32)
+        # The tile loaded again, transposed by its pointers (an L2 hit; the only load of a
+        # column-only cast): [T(k), T(m)], the stored layout. Measured on an H200 against
+        # quantizing x and transposing the FP8 tile (16384x4096 bf16, same bits): 1x128 column
+        # only 63 vs 87 us, row + column 112 vs 118; tensor column only 54 vs 64, but row +
+        # column 79-82 vs 75, so there the FP8 tile is transposed.
+        if MODE == 0:
+            xt = _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K)
             s_c, inv_c = _pow2_scale(tl.max(tl.abs(xt), axis=1), F_EXP, F_MANT)  # [T]: one per column
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
             tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
             q = _quantize(xt, s_c[:, None], FMAX, OUT)
+        elif not DO_ROW and (ALIGNED or not SEG):  # tensor mode (a scalar scale), column only
+            q = _quantize(_load_transposed(x_ptr, rows64, offs_m, offs_k, M, K), s_all, FMAX, OUT)
         else:
             q = tl.trans(_quantize(x, s_all, FMAX, OUT))  # [T(k), T(m)], stored row-major into the [K, m] copy
         if SEG:  # segment e's copy is [K, m_e] at offset K * start_e
@@ -397,12 +422,13 @@ class _Fused:
 
 
 def cast_warps(mode: str, rowwise: bool, columnwise: bool) -> int:
-    """Warps per cast tile: 8, but 4 for the 1x128 column-only cast (the flagged backward's cast
-    of the saved input), which ran 278 vs 326 us with 4 in two sweeps on an H200 (docs); the
-    other casts were as fast or faster with 8, or not consistently faster with 4."""
+    """Warps per cast tile: 8, but 4 for the column-only casts (the flagged backward's cast of
+    the saved input): 1x128 ran 278 vs 326 us with 4 in two sweeps on an H200 (docs), and with
+    the transposed load 63 vs 73 us (1x128) and 54 vs 58 us (tensor) at 16384x4096; the other
+    casts were as fast or faster with 8, or not consistently faster with 4."""
     if CAST_WARPS:
         return CAST_WARPS
-    return 4 if mode == "1x128" and columnwise and not rowwise else 8
+    return 4 if mode in ("1x128", "tensor") and columnwise and not rowwise else 8
 
 
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
@@ -429,7 +455,8 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
 
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
-                                    POW2=fused.pow2 if fused else False, BP=1024)
+                                    POW2=fused.pow2 if fused else False, BP=1024,
+                                    NSEG=1 << n_seg.bit_length() if aligned else 1)
     _CAST((n_mb, n_kb),
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
