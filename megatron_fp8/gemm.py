@@ -194,8 +194,13 @@ def _into(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
     return y if out is None else out.copy_(y)
 
 
+_OUT_ALIGN = 256  # bytes: cuBLASLt's default minimum pointer alignment (torch asks for none lower)
+
+
 def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool,
             out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is not None and out.data_ptr() % _OUT_ALIGN:  # e.g. rows after an odd, emulated expert
+        return out.copy_(_native(a, b, out_dtype, fast_accum))
     where = {} if out is None else {"out": out}
     if a.layout is L.TENSOR:
         return torch._scaled_mm(
@@ -220,7 +225,8 @@ _BLOCK_OUT_DTYPES: dict[torch.dtype, torch.dtype] = {}  # requested -> what cuBL
 def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Block-scaled GEMM; asks for ``out_dtype`` once and falls back to BF16 output (cast after)
     if this cuBLAS refuses it, remembering the answer. Given ``out`` (of ``out_dtype``), cuBLAS
-    writes into it directly (``_scaled_mm_v2.out``) where the output dtype was accepted."""
+    writes into it directly (``_scaled_mm_v2.out``) once the output dtype is known to be
+    accepted; the asking call, and BF16-then-cast, copy into it."""
     st = F.ScalingType
     kinds = {L.BLOCK_1x128: st.BlockWise1x128, L.BLOCK_128x128: st.BlockWise128x128}
 
@@ -241,10 +247,11 @@ def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Ten
     if dtype is None:
         try:
             y = run(out_dtype)
-            _BLOCK_OUT_DTYPES[out_dtype] = out_dtype
-            return _into(out, y)
         except RuntimeError:
             _BLOCK_OUT_DTYPES[out_dtype] = dtype = torch.bfloat16
+        else:
+            _BLOCK_OUT_DTYPES[out_dtype] = out_dtype
+            return _into(out, y)
     if dtype == out_dtype:
         return run(dtype, out)
     return _into(out, run(dtype).to(out_dtype))
@@ -276,6 +283,9 @@ def gemm(
     (m, k), (n, kb) = a.shape, b.shape
     if k != kb:
         raise ValueError(f"{name}: contraction dims differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if out is not None and (tuple(out.shape) != (m, n) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"{name}: out must be a contiguous [{m}, {n}] {out_dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})")
     backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
     _record(name, backend, a, b, (m, n, k))
     if m == 0 or n == 0 or k == 0:

@@ -166,3 +166,21 @@ def test_grouped_loop_writes_each_experts_rows(recipe, backend: str, monkeypatch
         with core.force_backend(backend):
             want = torch.cat([core.gemm(ai, bi, dtype) for ai, bi in zip(a, b)])
         assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_gemm_out_checked_and_misaligned_out_copied() -> None:
+    """``out`` must be a contiguous ``[m, n]`` of the output dtype (else a ValueError naming the
+    GEMM); an ``out`` whose address is under cuBLASLt's default 256-byte alignment is filled by
+    a copy of a fresh result (same bits)."""
+    q = make_quantizer(RECIPES["current"], TensorRole.INPUT)
+    a, b = q.quantize(torch.randn(32, 64)).rowwise, q.quantize(torch.randn(16, 64)).rowwise
+    for bad in (torch.empty(32, 17), torch.empty(32, 16, dtype=torch.bfloat16), torch.empty(16, 32).t()):
+        with pytest.raises(ValueError, match=r"fprop: out must be a contiguous \[32, 16\]"):
+            core.gemm(a, b, torch.float32, name="fprop", out=bad)
+    with core.force_backend("native"):
+        want = core.gemm(a, b, torch.float32)
+        buf = torch.full((34 * 16,), float("nan"))
+        skip = 16 if (buf.data_ptr() + 64) % 256 else 32  # 64 or 128 bytes in: not 256-aligned
+        out = buf[skip:skip + 32 * 16].view(32, 16)
+        assert out.data_ptr() % 256 and core.gemm(a, b, torch.float32, out=out) is out
+    assert torch.equal(out, want) and buf[:skip].isnan().all() and buf[skip + 32 * 16:].isnan().all()

@@ -1,6 +1,7 @@
-"""Fused FP8 cast kernels (Triton, CUDA only): one read of the input writes the rowwise copy,
-the transposed columnwise copy and their scales; per-tensor amaxes and scales without a round
-trip through small eager kernels.
+"""Fused FP8 cast kernels (Triton, CUDA only): one launch writes the rowwise copy, the
+transposed columnwise copy and their scales (a tile read from DRAM once; where measured faster,
+the columnwise copy quantizes the tile re-read transposed from L2); per-tensor amaxes and scales
+without a round trip through small eager kernels.
 
 One program of the cast kernel owns a 128x128 tile of ``x [M, K]``:
 
@@ -303,7 +304,7 @@ def _cast_tile_kernel(
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
             tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
             q = _quantize(xt, s_c[:, None], FMAX, OUT)
-        elif not DO_ROW and (ALIGNED or not SEG):  # tensor mode (a scalar scale), column only
+        elif MODE == 2 and not DO_ROW and (ALIGNED or not SEG):  # a scalar scale, column only
             q = _quantize(_load_transposed(x_ptr, rows64, offs_m, offs_k, M, K), s_all, FMAX, OUT)
         else:
             q = tl.trans(_quantize(x, s_all, FMAX, OUT))  # [T(k), T(m)], stored row-major into the [K, m] copy
@@ -406,14 +407,17 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
-def cast_warps(mode: str, rowwise: bool, columnwise: bool) -> int:
+def cast_warps(mode: str, rowwise: bool, columnwise: bool, transposed_load: bool = True) -> int:
     """Warps per cast tile: 8, but 4 for the column-only casts (the flagged backward's cast of
     the saved input): 1x128 ran 278 vs 326 us with 4 in two sweeps on an H200 (docs), and with
     the transposed load 63 vs 73 us (1x128) and 54 vs 58 us (tensor) at 16384x4096; the other
-    casts were as fast or faster with 8, or not consistently faster with 4."""
+    casts were as fast or faster with 8, or not consistently faster with 4. ``transposed_load``
+    False: a tensor cast whose segments are not 128-row aligned, which transposes the FP8 tile
+    (untimed with 4 warps, so 8)."""
     if CAST_WARPS:
         return CAST_WARPS
-    return 4 if mode in ("1x128", "tensor") and columnwise and not rowwise else 8
+    column_only = columnwise and not rowwise
+    return 4 if column_only and (mode == "1x128" or (mode == "tensor" and transposed_load)) else 8
 
 
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
@@ -446,7 +450,8 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, num_warps=cast_warps(mode, rowwise, columnwise),
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE,
+        num_warps=cast_warps(mode, rowwise, columnwise, offsets is None or aligned),
         **extra,
     )
     return row, row_s, col, col_s
