@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -16,7 +16,7 @@ import triton
 def _spec(value: Any, constexpr: bool) -> Any:
     """What Triton specializes a compiled kernel on, for one argument (a superset of its rules:
     tensor dtype and 16-byte alignment; int width, ``== 1`` and divisibility by 16; constexpr
-    values themselves)."""
+    values themselves). ``Launcher`` inlines the tensor and int cases."""
     if constexpr:
         return value
     if isinstance(value, torch.Tensor):
@@ -28,6 +28,29 @@ def _spec(value: Any, constexpr: bool) -> Any:
     return type(value)
 
 
+def _no_hook(hook: Any) -> bool:
+    """Whether a Triton launch hook would do nothing: unset, or an empty hook chain (Triton 3.6
+    keeps a chain object even when nothing is registered)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+class _Kept(NamedTuple):
+    """A compiled kernel kept by ``Launcher``. ``direct``: the compiled C launch function, set
+    where Triton's Python wrapper around it would add nothing (no scratch buffers to allocate)."""
+
+    kernel: Any
+    direct: Any
+    cooperative: bool
+    pdl: bool
+
+
+def _keep(kernel: Any) -> _Kept:
+    run = kernel.run
+    plain = getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+    direct = None if plain else getattr(run, "launch", None)
+    return _Kept(kernel, direct, getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False))
+
+
 class Launcher:
     """``kernel[grid](*args, **kwargs)`` without Triton's per-call argument binding.
 
@@ -36,9 +59,13 @@ class Launcher:
     and grouped layers were launch-bound. The first launch per specialization goes through
     Triton (compiling if needed) and keeps the compiled kernel under our own key (a superset of
     Triton's specialization, so a kept kernel is only reused where Triton would reuse it); later
-    launches call it directly, as ``run`` itself does after its lookup. Any mismatch with this
-    Triton's launcher API turns the shortcut off for good (plain launches, same results).
-    Triton's interpreter always takes the plain path.
+    launches call it directly, as ``run`` itself does after its lookup. Where no launch hook is
+    registered (a profiler such as proton registers them) and the kernel needs no scratch
+    buffers, the call goes straight to the compiled C launch function, skipping Triton's
+    per-launch metadata dictionary, its two empty hook-chain calls and its scratch-allocation
+    wrapper (~80 Python calls per launch with Triton 3.6). Any mismatch with this Triton's
+    launcher API turns the shortcut off for good (plain launches, same results). Triton's
+    interpreter always takes the plain path.
     """
 
     def __init__(self, fn: Any) -> None:
@@ -47,30 +74,52 @@ class Launcher:
         self.names = [p.name for p in params]
         self.constexpr = [bool(p.is_constexpr) for p in params]
         self.name_set = frozenset(self.names)
-        self.kernels: dict[tuple[Any, ...], Any] = {}
+        self.kernels: dict[tuple[Any, ...], _Kept] = {}
         self.fast = bool(params) and os.environ.get("TRITON_INTERPRET") != "1"
+        self._stream: Any = None  # the active driver's current-stream function, fetched once
+
+    def _key(self, device: int, values: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """``_spec`` of every argument, with its tensor and int cases inlined (a launch's key is
+        built from ~20 arguments; a call per argument cost ~10 us of host time per launch)."""
+        opts = [(k, v) for k, v in kwargs.items() if k not in self.name_set]
+        tensor = torch.Tensor
+        return (device, tuple(sorted(opts)) if len(opts) > 1 else tuple(opts), *[
+            v if c
+            else (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, tensor)
+            else (int, v == 1, v % 16 == 0, -(2**31) <= v < 2**31, v < 2**63) if type(v) is int
+            else _spec(v, False)
+            for v, c in zip(values, self.constexpr)
+        ])
 
     def __call__(self, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
         if not self.fast:
             self.fn[tuple(grid)](*args, **kwargs)
             return
-        n = len(args)
-        values = (*args, *(kwargs[name] for name in self.names[n:]))
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.name_set))
+        values = [*args, *[kwargs[name] for name in self.names[len(args):]]]
         device = torch.cuda.current_device()
-        key = (device, options, *(_spec(v, c) for v, c in zip(values, self.constexpr)))
-        kernel = self.kernels.get(key)
-        if kernel is None:
+        key = self._key(device, values, kwargs)
+        kept = self.kernels.get(key)
+        if kept is None:
             kernel = self.fn[tuple(grid)](*args, **kwargs)
-            self.kernels[key] = kernel.result() if hasattr(kernel, "result") else kernel
+            try:
+                self.kernels[key] = _keep(kernel.result() if hasattr(kernel, "result") else kernel)
+            except AttributeError:  # another Triton's compiled-kernel API: plain launches from now on
+                self.fast = False
             return
         g = (*grid, 1, 1)
         try:
-            stream = triton.runtime.driver.active.get_current_stream(device)
+            if self._stream is None:
+                self._stream = triton.runtime.driver.active.get_current_stream
+            stream = self._stream(device)
+            kernel = kept.kernel
             hooks = triton.knobs.runtime
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            if kept.direct is not None and _no_hook(enter) and _no_hook(leave):
+                kept.direct(g[0], g[1], g[2], stream, kernel.function, kept.cooperative, kept.pdl, None, None,
+                            kernel.packed_metadata, None, None, None, *values)
+                return
             kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                       kernel.launch_metadata(tuple(grid), stream, *values), hooks.launch_enter_hook,
-                       hooks.launch_exit_hook, *values)
+                       kernel.launch_metadata(tuple(grid), stream, *values), enter, leave, *values)
         except (AttributeError, TypeError):  # another Triton's launcher API: plain launches from now on
             self.fast = False
             self.fn[tuple(grid)](*args, **kwargs)

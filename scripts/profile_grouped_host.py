@@ -13,7 +13,7 @@ import os
 
 import torch
 from benchlib import host_and_device_ms, markdown_table, train_step
-from profile_steps import _host_profile
+from profile_steps import _host_profile, _syncs, _top_kernels
 
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--paths", nargs="*", default=["auto", "triton", "torch", "loop"])
     p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    p.add_argument("--detail", action="store_true",
+                   help="also cumulative Python time, host time per aten op and the step's syncs")
     args = p.parse_args()
     splits = [args.tokens] * args.experts
     x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -42,8 +44,13 @@ def main() -> None:
     print(markdown_table(["grouped GEMM path", "recipe", "host ms/step", "device ms/step"], rows))
     os.environ["MEGATRON_FP8_GROUPED_GEMM"] = "auto"
     for rname in args.recipes:
-        print(f"## {rname} (auto), Python own time over 10 steps\n"
-              f"{_host_profile(train_step(layer, x, dy, PRESETS[rname], splits), 30)}", flush=True)
+        step = train_step(layer, x, dy, PRESETS[rname], splits)
+        print(f"## {rname} (auto), Python own time over 10 steps\n{_host_profile(step, 30)}", flush=True)
+        if args.detail:
+            print(f"## {rname} (auto), cumulative over 10 steps\n{_host_profile(step, 45, 'cumulative')}")
+            print(f"## {rname} (auto), host time by op over 3 steps\n"
+                  f"{_top_kernels(step, 30, 'self_cpu_time_total')}")
+            print(f"syncs in a {rname} step: {_syncs(step)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ def _top_kernels(fn, k: int = 12, sort_by: str = "self_cuda_time_total") -> str:
     return prof.key_averages().table(sort_by=sort_by, row_limit=k, max_name_column_width=60)
 
 
-def _host_profile(fn, k: int = 25) -> str:
-    """Python functions by own time over 10 calls (where the host's milliseconds go)."""
+def _host_profile(fn, k: int = 25, sort: str = "tottime") -> str:
+    """Python functions by own time (``sort``: any pstats key) over 10 calls (where the host's
+    milliseconds go)."""
     fn()
     torch.cuda.synchronize()
     pr = cProfile.Profile()
@@ -39,7 +40,7 @@ def _host_profile(fn, k: int = 25) -> str:
     pr.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(k)
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(k)
     return buf.getvalue()
 
 
