@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .quant.formats import ScaleLayout
-from .quant.tensor import Operand
+from .quant.tensor import Operand, Operands, Pack
 
 __all__ = [
     "Backend",
@@ -364,25 +364,31 @@ def _grouped_native(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch
             and a0.data.dtype == b0.data.dtype == torch.float8_e4m3fn):
         return None
     (_, k), (n, _) = a0.shape, b0.shape
-    splits = [ai.shape[0] for ai in a]
-    if any(s % 16 for s in splits) or n % 16 or k % 16 or any(bi.shape != b0.shape for bi in b):
+    splits = _sizes(a, 0)
+    if any(s % 16 for s in splits) or n % 16 or k % 16 or not _same_shapes(b):
         return None
     if (_state.forced or _env_backend()) is Backend.EMULATE:
         return None
-    if not (back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])):
+    packs = [Pack.of(ops) for ops in (a, b)]
+    if not all(p is not None or back_to_back([o.data for o in ops]) for p, ops in zip(packs, (a, b))):
         return None
     from .quant.kernels import segment_offsets
 
     m, g = sum(splits), len(a)
     a_all = a0.data.as_strided((m, k), (k, 1))
     b_all = b0.data.as_strided((g, n, k), (n * k, k, 1))
-    scale = torch.stack([ai.scale_inv.reshape(()) for ai in a]) * torch.stack([bi.scale_inv.reshape(()) for bi in b])
+    scale = _scales_of(a, packs[0]) * _scales_of(b, packs[1])
     off = segment_offsets(splits, dev)
     row_scale = torch.repeat_interleave(scale, off.diff(), output_size=m)
     _record(f"{name}[grouped]", Backend.NATIVE, a0, b0, (m, n, k))
     return torch._scaled_grouped_mm(a_all, b_all.transpose(-2, -1), row_scale, _ones(g, n, dev),
                                     offs=off[1:].to(torch.int32), out_dtype=torch.bfloat16,
                                     use_fast_accum=fast_accum)
+
+
+def _scales_of(ops: Sequence[Operand], pack: Pack | None) -> torch.Tensor:
+    """The experts' per-tensor scales as one ``[E]`` tensor (a pack's own buffer, else stacked)."""
+    return pack.scale_inv if pack is not None else torch.stack([o.scale_inv.reshape(()) for o in ops])
 
 
 @functools.cache
@@ -478,20 +484,58 @@ def _scales_laid_out(ops: Sequence[Operand], starts: Sequence[int], kind: str, w
     return _strided_from(scales, [st // 128 * width for st in starts])
 
 
-def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype,
-                           splits: Sequence[int], blocked: bool) -> list[int] | None:
+def _pack_serves(p: Pack, kind: str) -> bool:
+    """Whether a segmented cast's buffers are laid out as ``_scales_laid_out`` wants for
+    ``kind`` (the data of a pack always lies back to back)."""
+    if p.layout is L.TENSOR:
+        return True
+    if p.layout is L.BLOCK_1x128:
+        return p.columnwise == (kind == "tokens") and kind != "weights"
+    return kind == "weights" and p.layout is L.BLOCK_128x128 and len(set(p.splits)) == 1
+
+
+def _one_buffer(ops: Sequence[Operand], starts: Sequence[int], kind: str, width: int) -> bool:
+    """Whether the experts' data lie back to back in one buffer and their scales where the
+    Triton grouped kernels look (``_scales_laid_out``): at once for the Operands of one
+    segmented cast (``Pack``), else checked expert by expert."""
+    p = Pack.of(ops)
+    if p is not None and _pack_serves(p, kind):
+        return True
+    return back_to_back([o.data for o in ops]) and _scales_laid_out(ops, starts, kind, width)
+
+
+def _sizes(ops: Sequence[Operand], dim: int) -> list[int]:
+    """Each expert's size along ``dim`` (tokens: dim 0 of rowwise copies, dim 1 of columnwise
+    ones), from the pack where ``ops`` are its lazy ``Operands`` (no per-expert views made)."""
+    if isinstance(ops, Operands) and ops.pack.columnwise == (dim == 1):
+        return list(ops.pack.splits)
+    return [o.shape[dim] for o in ops]
+
+
+def _same_shapes(ops: Sequence[Operand]) -> bool:
+    if isinstance(ops, Operands):
+        return len(set(ops.pack.splits)) == 1
+    s0 = ops[0].shape
+    return all(o.shape == s0 for o in ops)
+
+
+def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: Operand, b0: Operand,
+                           out_dtype: torch.dtype, splits: Sequence[int], blocked: bool, kinds: tuple[str, str],
+                           widths: tuple[int, int]) -> list[int] | None:
     """The experts' first rows (tokens) where a one-launch Triton grouped GEMM may take the
-    operands: more than one expert, the path allowed and Triton here, an output dtype it writes,
-    tensorwise operands or the block pair the caller checked, every split a multiple of 128 and
-    each operand's experts back to back in one buffer. None otherwise."""
-    a0, b0 = a[0], b[0]
+    operands (``a0``, ``b0``: their first experts): more than one expert, the path allowed and
+    Triton here, an output dtype it writes, tensorwise operands or the block pair the caller
+    checked, every split a multiple of 128 and each operand's experts in one buffer, laid out as
+    ``kinds`` (``_one_buffer``). None otherwise."""
     dev = a0.data.device
     if not (len(a) > 1 and _grouped_backend(dev) in ("auto", "triton") and _triton_grouped_here(dev)
             and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)
-            and back_to_back([ai.data for ai in a]) and back_to_back([bi.data for bi in b])):
+            and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)):
         return None
-    return list(itertools.accumulate(splits[:-1], initial=0))
+    starts = list(itertools.accumulate(splits[:-1], initial=0))
+    if not (_one_buffer(a, starts, kinds[0], widths[0]) and _one_buffer(b, starts, kinds[1], widths[1])):
+        return None
+    return starts
 
 
 def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
@@ -501,11 +545,12 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     tensorwise, any FP8 pair, or 1x128 x 128x128 scales). None otherwise."""
     a0, b0 = a[0], b[0]
     (_, k), (n, _) = a0.shape, b0.shape
-    splits = [ai.shape[0] for ai in a]
+    splits = _sizes(a, 0)
     blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
-    starts = _triton_grouped_starts(a, b, out_dtype, splits, blocked)
-    if (starts is None or any(bi.shape != b0.shape for bi in b) or (blocked and (n % 128 or k % 128))
-            or not (_scales_laid_out(a, starts, "rows", k // 128) and _scales_laid_out(b, starts, "weights", 0))):
+    if not _same_shapes(b) or (blocked and (n % 128 or k % 128)):
+        return None
+    starts = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("rows", "weights"), (k // 128, 0))
+    if starts is None:
         return None
     from . import triton_grouped
     from .quant.kernels import segment_offsets
@@ -531,10 +576,10 @@ def grouped_wgrad(
     laid out for it, else ``grouped_gemm``."""
     a0, b0 = a[0], b[0]
     (n, _), (k, _) = a0.shape, b0.shape
-    splits = [ai.shape[1] for ai in a]
+    splits = _sizes(a, 1)
     blocked = a0.layout is b0.layout is L.BLOCK_1x128
-    starts = _triton_grouped_starts(a, b, out_dtype, splits, blocked)
-    if starts is None or not (_scales_laid_out(a, starts, "tokens", n) and _scales_laid_out(b, starts, "tokens", k)):
+    starts = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("tokens", "tokens"), (n, k))
+    if starts is None:
         return grouped_gemm(a, b, out_dtype, name=name)
     from . import triton_grouped
     from .quant.kernels import segment_offsets
@@ -570,7 +615,7 @@ def grouped_gemm_cat(
         return out
     if len(a) != len(b):
         raise ValueError(f"{name}: {len(a)} a-operands but {len(b)} b-operands")
-    y = torch.empty(sum(ai.shape[0] for ai in a), b[0].shape[0], dtype=out_dtype, device=a[0].data.device)
+    y = torch.empty(sum(_sizes(a, 0)), b[0].shape[0], dtype=out_dtype, device=a[0].data.device)
     row = 0
     for i, (ai, bi) in enumerate(zip(a, b)):  # each expert's GEMM writes its rows of y
         rows = ai.shape[0]

@@ -5,6 +5,7 @@ installed; skips otherwise (CI has no Triton)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -22,6 +23,7 @@ from megatron_fp8.quant.quantizers import (  # noqa: E402
     Block2DQuantizer,
     CurrentScalingQuantizer,
 )
+from megatron_fp8.quant.tensor import Operands, Pack  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,6 +84,43 @@ def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: 
     assert max(errs) < TOL[fast_accum]
     if os.environ.get("TRITON_INTERPRET") != "1":  # the kept-kernel launches stayed on (API matched)
         assert tg._ROWS.fast and tg._KGROUP.fast and tg._ROWS.kernels and tg._KGROUP.kernels
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_packs_agree_with_the_per_expert_layout_checks(name: str) -> None:
+    """A one-launch cast's Operands carry their Pack: ``Pack.of`` answers at once what the
+    expert-by-expert checks (data back to back, scales where the grouped kernels read them)
+    answer; a reordered or partial list is no pack; the lazily made Operand of one expert is the
+    view ``operands()`` makes; a pack rebuilt from its two buffers (what backward gets from
+    ``save_for_backward``) makes the same views."""
+    torch.manual_seed(0)
+    g = len(SPLITS)
+    x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
+    dy = (torch.randn(sum(SPLITS), N) * 0.01).bfloat16().to(DEV)
+    w = (torch.randn(g * N, K) * 0.05).bfloat16().to(DEV)
+    qx, qw, qg = QUANTIZERS[name]
+    cases = [(qx, x, SPLITS, ("rows", "tokens")), (qw, w, [N] * g, ("weights", "weights")),
+             (qg, dy, SPLITS, ("rows", "tokens"))]
+    for q, t, splits, kinds in cases:
+        seg = q.quantize_segments_packed(t, splits, peers=[q] * g, rowwise=True, columnwise=True)
+        assert seg is not None and seg.rows is not None and seg.cols is not None
+        starts = list(itertools.accumulate(splits[:-1], initial=0))
+        for pack, kind in zip((seg.rows, seg.cols), kinds):
+            ops = pack.operands()
+            width = {"rows": t.shape[1] // 128, "weights": 0, "tokens": t.shape[1]}[kind]
+            assert Pack.of(ops) is pack and Pack.of(Operands(pack)) is pack and core._pack_serves(pack, kind)
+            assert core.back_to_back([o.data for o in ops]) and core._scales_laid_out(ops, starts, kind, width)
+            assert Pack.of(ops[::-1]) is None and Pack.of(ops[:-1]) is None
+            rebuilt = Operands(Pack(pack.data.clone(), pack.scale_inv.clone(), pack.splits, pack.width,
+                                    pack.layout, pack.columnwise))
+            for i, op in enumerate(ops):
+                one = Operands(pack)[i]
+                for u, v in ((one.data, op.data), (one.scale_inv, op.scale_inv)):
+                    assert (u.data_ptr(), u.shape, u.stride()) == (v.data_ptr(), v.shape, v.stride())
+                for u, v in ((rebuilt[i].data, op.data), (rebuilt[i].scale_inv, op.scale_inv)):
+                    assert u.shape == v.shape and u.stride() == v.stride()
+                    assert torch.equal(u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
+                                       v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with cuBLAS")

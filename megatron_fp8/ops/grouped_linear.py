@@ -19,7 +19,7 @@ current)               (its own quantizer and amax)
 Per-tensor scales are per expert, not one for the whole ``x``: that keeps the layer bitwise a
 list of separate Linears (and keeps a hot expert's amax from flattening a cold one's values).
 
-On CUDA ``Quantizer.quantize_segments`` casts every expert in one launch where it can (current
+On CUDA ``Quantizer.quantize_segments_packed`` casts every expert in one launch where it can (current
 scaling: per-expert amaxes and scales in two more launches; delayed scaling: one amax launch,
 each expert's history and scale kept in its own quantizer; 1x128 when every count is a multiple
 of 128), with the same bits as the per-expert casts above; the per-expert scales then share one
@@ -41,7 +41,9 @@ is captured one cuBLAS GEMM per expert (``MEGATRON_FP8_GROUPED_GEMM`` pins a pat
 
 Saved for backward: per expert the columnwise FP8 copy of ``x_i`` (default), or with
 ``save_original_input`` the original ``x`` object once (plus each expert's per-tensor scale);
-per expert the columnwise FP8 weight. FP8 off: ``x`` and the weights.
+per expert the columnwise FP8 weight. Copies from a one-launch cast are saved as its two
+buffers (``quant.tensor.Pack``: the same storage as the experts' views), others as each
+expert's data and scales. FP8 off: ``x`` and the weights.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import torch.nn.functional as F
 from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
-from ..quant.tensor import Operand, QuantizedTensor
+from ..quant.tensor import Operand, Operands, Pack, QuantizedTensor
 from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
 
 __all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
@@ -112,10 +114,13 @@ def _cast_split(
     these per-tensor scales and record no amax (``save_original_input`` in backward).
     """
     n = len(m_splits)
-    fused = quantizers[0].quantize_segments(t, m_splits, peers=quantizers, rowwise=rowwise, columnwise=columnwise,
-                                            scales=scales)
-    if fused is not None:  # one pass over all experts (CUDA)
-        return [q.rowwise for q in fused], [q.columnwise for q in fused], [q.scale for q in fused]
+    seg = quantizers[0].quantize_segments_packed(t, m_splits, peers=quantizers, rowwise=rowwise,
+                                                 columnwise=columnwise, scales=scales)
+    if seg is not None:  # one pass over all experts (CUDA): per-expert views made only if a GEMM asks
+        none: list[Operand | None] = [None] * n
+        return (Operands(seg.rows) if seg.rows is not None else none,  # type: ignore[return-value]
+                Operands(seg.cols) if seg.cols is not None else none,
+                list(seg.scales) if seg.scales is not None else [None] * n)
     parts = t.split(list(m_splits))
     rows: list[Operand | None] = [None] * n
     cols: list[Operand | None] = [None] * n
@@ -157,6 +162,26 @@ def _save(ctx: Any, groups: Sequence[Sequence[torch.Tensor]]) -> None:
 def _load(ctx: Any) -> list[tuple[torch.Tensor, ...]]:
     saved = ctx.saved_tensors
     return [saved[s : s + k] for s, k in ctx.spans]
+
+
+_PackMeta = tuple[tuple[int, ...], int, ScaleLayout, bool]
+
+
+def _stash(ops: Sequence[Operand]) -> tuple[list[torch.Tensor], _PackMeta | ScaleLayout]:
+    """What to save of the experts' Operands, and how ``_unstash`` rebuilds them: the two buffers
+    of the segmented cast they are the views of (``Pack``: the same storage, two saved tensors
+    instead of two per expert, and backward rebuilds them as one pack for the grouped GEMMs),
+    else each expert's data and scales."""
+    p = Pack.of(ops)
+    if p is not None:
+        return [p.data, p.scale_inv], (p.splits, p.width, p.layout, p.columnwise)
+    return [t for op in ops for t in (op.data, op.scale_inv)], ops[0].layout
+
+
+def _unstash(saved: Sequence[torch.Tensor], meta: _PackMeta | ScaleLayout) -> Sequence[Operand]:
+    if isinstance(meta, ScaleLayout):
+        return [Operand(d, s, meta) for d, s in zip(saved[::2], saved[1::2])]
+    return Operands(Pack(saved[0], saved[1], *meta))
 
 
 # ---- the function ---------------------------------------------------------------------------
@@ -223,29 +248,30 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
                                            columnwise=args.wgrad and not soi)
     w_rows = [w.operand("rowwise") for w in args.w_fp8]
     y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
-    w_cols = [w.operand("columnwise") for w in args.w_fp8]
-    ctx.layouts = (inputs[0].layout, w_cols[0].layout)
-    if not args.wgrad:
-        x_groups = [[] for _ in range(len(x_cols) + 1)]
-    elif soi:
-        x_groups = [[x]] + [[s] if s is not None else [] for s in x_scales]
-    else:
-        x_groups = [[]] + [[c.data, c.scale_inv] for c in x_cols]
-    _save(ctx, [*x_groups, *([c.data, c.scale_inv] for c in w_cols)])
+    w_saved, ctx.w_meta = _stash([w.operand("columnwise") for w in args.w_fp8])
+    ctx.x_meta = None
+    orig: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    x_saved: list[torch.Tensor] = []
+    if args.wgrad and soi:
+        orig, scales = [x], [s for s in x_scales if s is not None]
+    elif args.wgrad:
+        x_saved, ctx.x_meta = _stash(x_cols)  # type: ignore[arg-type]
+    _save(ctx, [orig, scales, x_saved, w_saved])
     return y
 
 
-def _saved_x_columnwise(ctx: Any, x_groups: Sequence[tuple[torch.Tensor, ...]]) -> list[Operand]:
+def _saved_x_columnwise(ctx: Any, orig: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                        x_saved: Sequence[torch.Tensor]) -> Sequence[Operand]:
     """Each expert's columnwise x: saved, or cast now from the saved original with the forward's
     per-expert scales (recording no amax)."""
     args: GroupedArgs = ctx.args
-    layout = ctx.layouts[0]
     if not args.save_original_input:
-        return [Operand(g[0], g[1], layout) for g in x_groups[1:]]
-    (x,) = x_groups[0]
-    scales = [g[0] if g else None for g in x_groups[1:]]
+        return _unstash(x_saved, ctx.x_meta)
+    (x,) = orig
     inputs = _roles(args.quantizers, "input")
-    _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True, scales=scales)
+    _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True,
+                             scales=list(scales) if scales else None)
     return cols  # type: ignore[return-value]
 
 
@@ -253,17 +279,15 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
                   need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     args: GroupedArgs = ctx.args
     n = ctx.n
-    groups = _load(ctx)
-    x_groups, w_groups = groups[: n + 1], groups[n + 1 :]
+    orig, scales, x_saved, w_saved = _load(ctx)
     grads = _roles(args.quantizers, "grad_output")
     dy_rows, dy_cols, _ = _cast_split(grads, dy, args.m_splits, rowwise=need_dx, columnwise=need_dw)
     dx = None
     if need_dx:
-        w_cols = [Operand(d, s, ctx.layouts[1]) for d, s in w_groups]
-        dx = grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad")
+        dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad")
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
-        x_cols = _saved_x_columnwise(ctx, x_groups)
+        x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
         dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
     return dx, dws
 

@@ -42,8 +42,10 @@ class LinearQuantizers:
 
 
 def mark_param_derived(qt: QuantizedTensor) -> QuantizedTensor:
-    """Tag a weight's FP8 tensors so saved-tensor accounting files them under parameters."""
-    for t in qt.tensors():
+    """Tag a weight's FP8 tensors so saved-tensor accounting files them under parameters (and
+    the buffers of the one-launch cast they are views of, which a grouped layer saves)."""
+    packs = [op.pack for op in (qt.rowwise, qt.columnwise) if op is not None and op.pack is not None]
+    for t in [*qt.tensors(), *(t for p in packs for t in (p.data, p.scale_inv))]:
         t._mf_param_derived = True  # type: ignore[attr-defined]
     return qt
 

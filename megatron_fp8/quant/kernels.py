@@ -299,24 +299,16 @@ _fused_current = _FusedCurrentGuard()
 
 def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
                           columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
-                          ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor,
-                                     torch.Tensor] | None:
-    """``cast_current`` of every segment in two launches (per-segment scales ``[E]``, 16 bytes
-    apart), or None where that does not apply (also: a split zero or not a multiple of 128)."""
+                          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """``cast_current`` of every segment in two launches: the raw ``row [M, K]`` / flat
+    ``col [K * M]`` buffers (``quant.tensor.Pack`` views them per segment) and per-segment scales
+    ``[E]``, 16 bytes apart; or None where that does not apply (also: a split zero or not a
+    multiple of 128)."""
     if not segments_fused(x, columnwise) or any(m <= 0 or m % 128 for m in splits):
         return None
-    out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
-                                                        amax_epsilon=amax_epsilon, splits=list(splits),
-                                                        offsets=segment_offsets(splits, x.device)))
-    if out is None:
-        return None
-    rows, cols, s, inv = out
-    return _data_only(rows), _data_only(cols), s, inv
-
-
-def _data_only(copies: Sequence[tuple[torch.Tensor, Any]] | None) -> list[torch.Tensor] | None:
-    """The data of per-segment ``(data, scale_inv)`` copies (tensorwise: the caller holds the scales)."""
-    return [d for d, _ in copies] if copies is not None else None
+    return _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
+                                                         amax_epsilon=amax_epsilon, splits=list(splits),
+                                                         offsets=segment_offsets(splits, x.device)))
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:
@@ -328,23 +320,24 @@ def aligned_copy(t: torch.Tensor) -> torch.Tensor:
 
 def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: torch.Tensor, dtype: torch.dtype,
                              rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None
-                             ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-    """Each segment cast with its scale (``scales [E]``), one launch: per segment the rowwise
-    ``[m_e, K]`` and the columnwise ``[K, m_e]`` data (each contiguous)."""
+                             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each segment cast with its scale (``scales [E]``), one launch: the raw rowwise
+    ``[M, K]`` and flat columnwise ``[K * M]`` buffers (``quant.tensor.Pack`` views them)."""
     off = offsets if offsets is not None else segment_offsets(splits, x.device)
     if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
         scales = aligned_copy(scales)
-    rows, cols = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
-    return _data_only(rows), _data_only(cols)
+    row, _, col, _ = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
+    return row, col
 
 
 def cast_blocks_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
                          columnwise: bool, block: int, pow2: bool, eps: float, mode: str
-                         ) -> tuple[list[Pair] | None, list[Pair] | None] | None:
+                         ) -> tuple[torch.Tensor | None, ...] | None:
     """Block casts (``mode`` ``"1x128"``: experts' tokens; ``"128x128"``: experts' weights
-    stacked) of every segment in one launch, or None where that launch does not apply (not on
-    the kernels' device, options they lack, a split or K not a multiple of 128: a block would
-    span two experts)."""
+    stacked) of every segment in one launch: the raw ``(row, row_s, col, col_s)`` buffers
+    (``triton_cast.cast_segments``), or None where that launch does not apply (not on the
+    kernels' device, options they lack, a split or K not a multiple of 128: a block would span
+    two experts)."""
     if not (segments_fused(x, columnwise) and _block_kernel_ok(x, columnwise, block, pow2, eps)):
         return None
     if x.shape[1] % 128 or any(m % 128 for m in splits):

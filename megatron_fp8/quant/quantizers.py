@@ -26,7 +26,7 @@ from ..recipe import (
 from . import kernels
 from .formats import ScaleLayout, check_high_precision
 from .reference import amax_to_scale
-from .tensor import Operand, QuantizedTensor
+from .tensor import Operand, Pack, QuantizedTensor
 
 __all__ = [
     "Quantizer",
@@ -55,6 +55,15 @@ def _check_2d(x: torch.Tensor, name: str) -> None:
     check_high_precision(x, name)
     if x.dim() != 2:
         raise ValueError(f"{name}: quantizers take 2-D tensors, got shape {tuple(x.shape)}")
+
+
+class Segments(NamedTuple):
+    """A one-launch cast of row segments: the rowwise and columnwise ``Pack`` (None where not
+    cast) and the per-tensor scale each segment keeps (None for block recipes)."""
+
+    rows: Pack | None
+    cols: Pack | None
+    scales: Sequence[torch.Tensor] | None
 
 
 class Quantizer(abc.ABC):
@@ -90,7 +99,24 @@ class Quantizer(abc.ABC):
         """Cast each row segment of ``x`` (``splits``: the experts' token counts; ``peers``: one
         quantizer per segment, this one first) exactly as ``peers[i].quantize(segment_i)`` would,
         in one pass; ``scales``: per-segment scales to reuse. None where no fused path applies
-        here (the caller then casts segment by segment)."""
+        here (the caller then casts segment by segment). One QuantizedTensor per segment, whose
+        Operands are views of ``quantize_segments_packed``'s buffers."""
+        seg = self.quantize_segments_packed(x, splits, peers=peers, rowwise=rowwise, columnwise=columnwise,
+                                            scales=scales)
+        return self._segment_tensors(x, splits, *seg) if seg is not None else None
+
+    def quantize_segments_packed(
+        self,
+        x: torch.Tensor,
+        splits: Sequence[int],
+        *,
+        peers: Sequence[Quantizer],
+        rowwise: bool,
+        columnwise: bool,
+        scales: Sequence[torch.Tensor | None] | None = None,
+    ) -> Segments | None:
+        """``quantize_segments`` as the one launch leaves it: the rowwise and columnwise ``Pack``
+        and each segment's kept scale (per-tensor recipes). None where no fused path applies."""
         return None
 
     def casts_segments(self, x: torch.Tensor) -> bool:
@@ -98,25 +124,30 @@ class Quantizer(abc.ABC):
         here (lets a caller skip stacking tensors for it)."""
         return False
 
+    def _packs(self, x: torch.Tensor, splits: Sequence[int], row: torch.Tensor | None, row_s: torch.Tensor | None,
+               col: torch.Tensor | None, col_s: torch.Tensor | None) -> tuple[Pack | None, Pack | None]:
+        """The rowwise and columnwise ``Pack`` of a segmented cast's raw buffers (``col_s`` None:
+        the rowwise scales serve the columnwise copy, 128x128 blocks of unequal splits)."""
+        sp, k = tuple(splits), x.shape[1]
+        rows = Pack(row, row_s, sp, k, self.layout, False) if row is not None and row_s is not None else None
+        scale = col_s if col_s is not None else row_s
+        cols = Pack(col, scale, sp, k, self.layout, True) if col is not None and scale is not None else None
+        return rows, cols
+
     def _segment_tensors(
         self,
         x: torch.Tensor,
         splits: Sequence[int],
-        rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
-        cols: Sequence[tuple[torch.Tensor, torch.Tensor]] | None,
+        rows: Pack | None,
+        cols: Pack | None,
         scales: Sequence[torch.Tensor] | None = None,
     ) -> list[QuantizedTensor]:
-        """One QuantizedTensor per segment from per-segment ``(data, scale_inv)`` copies."""
-        out = []
-        for i, m in enumerate(splits):
-            qt = QuantizedTensor(torch.Size((m, x.shape[1])), x.dtype, self.fp8_dtype,
-                                 scale=scales[i] if scales is not None else None)
-            if rows is not None:
-                qt.rowwise = Operand(*rows[i], self.layout)
-            if cols is not None:
-                qt.columnwise = Operand(*cols[i], self.layout)
-            out.append(qt)
-        return out
+        """One QuantizedTensor per segment from the packs' per-segment Operands."""
+        row_ops = rows.operands() if rows is not None else [None] * len(splits)
+        col_ops = cols.operands() if cols is not None else [None] * len(splits)
+        k, dtype, fp8 = x.shape[1], x.dtype, self.fp8_dtype
+        return [QuantizedTensor(torch.Size((m, k)), dtype, fp8, r, c, scales[i] if scales is not None else None)
+                for i, (m, r, c) in enumerate(zip(splits, row_ops, col_ops))]
 
     def _config(self) -> tuple[Any, ...]:
         """What makes two stateless quantizers cast identically."""
@@ -167,19 +198,16 @@ class _PerTensorQuantizer(Quantizer):
         _check_2d(x, self.name)
         return kernels.segments_fused(x, columnwise) and self._peers_match(peers) and (rowwise or columnwise)
 
-    def _segments_out(self, x: torch.Tensor, splits: Sequence[int], rows: Sequence[torch.Tensor] | None,
-                      cols: Sequence[torch.Tensor] | None, inv: torch.Tensor,
-                      kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
-        """Per-segment QuantizedTensors from one-launch copies, their inverse scales (``inv [E]``,
-        16 bytes apart) and the scales each keeps (``kept``)."""
-        invs = inv.unbind(0)  # one call for every segment's scalar view
-        row_inv = list(zip(rows, invs)) if rows is not None else None
-        col_inv = list(zip(cols, invs)) if cols is not None else None
-        return self._segment_tensors(x, splits, row_inv, col_inv, kept)
+    def _segments_out(self, x: torch.Tensor, splits: Sequence[int], rows: torch.Tensor | None,
+                      cols: torch.Tensor | None, inv: torch.Tensor,
+                      kept: Sequence[torch.Tensor]) -> Segments:
+        """The packs of a one-launch cast's raw buffers with their inverse scales (``inv [E]``,
+        16 bytes apart), and the scales each segment keeps (``kept``)."""
+        return Segments(*self._packs(x, splits, rows, inv, cols, inv), kept)
 
     def _cast_segments_scaled(self, x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
                               rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None,
-                              kept: Sequence[torch.Tensor] | None = None) -> list[QuantizedTensor]:
+                              kept: Sequence[torch.Tensor] | None = None) -> Segments:
         """Every segment cast in one launch with its given scale; each QuantizedTensor keeps
         ``kept[i]`` (default: its scale in the aligned copy)."""
         scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))
@@ -189,7 +217,7 @@ class _PerTensorQuantizer(Quantizer):
 
     def _cast_laid_out(self, x: torch.Tensor, splits: Sequence[int], scale: torch.Tensor, inv: torch.Tensor,
                        rowwise: bool, columnwise: bool, offsets: torch.Tensor | None,
-                       kept: Sequence[torch.Tensor]) -> list[QuantizedTensor]:
+                       kept: Sequence[torch.Tensor]) -> Segments:
         """Every segment cast in one launch with ``scale [E]`` / ``inv [E]`` (16 bytes apart)."""
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
         return self._segments_out(x, splits, rows, cols, inv, kept)
@@ -253,7 +281,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.power_2_scale, self.amax_epsilon, self.group)
 
-    def quantize_segments(
+    def quantize_segments_packed(
         self,
         x: torch.Tensor,
         splits: Sequence[int],
@@ -262,7 +290,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         rowwise: bool,
         columnwise: bool,
         scales: Sequence[torch.Tensor | None] | None = None,
-    ) -> list[QuantizedTensor] | None:
+    ) -> Segments | None:
         if not self._segments_apply(x, peers, rowwise, columnwise):
             return None
         kw: dict[str, Any] = dict(power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
@@ -396,7 +424,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.recipe, self.group)
 
-    def quantize_segments(
+    def quantize_segments_packed(
         self,
         x: torch.Tensor,
         splits: Sequence[int],
@@ -405,7 +433,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         rowwise: bool,
         columnwise: bool,
         scales: Sequence[torch.Tensor | None] | None = None,
-    ) -> list[QuantizedTensor] | None:
+    ) -> Segments | None:
         """Every expert in one amax launch and one cast, each with its own state: the same scales
         in force, the same amaxes joining the same histories as ``peers[i].quantize(segment_i)``
         (``scales`` given: the forward's, reused, no amax recorded)."""
@@ -489,7 +517,7 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
     def casts_segments(self, x: torch.Tensor) -> bool:
         return kernels.block_segments_fused(x, self.block, self.power_2_scale, self.amax_epsilon)
 
-    def quantize_segments(
+    def quantize_segments_packed(
         self,
         x: torch.Tensor,
         splits: Sequence[int],
@@ -498,7 +526,7 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
         rowwise: bool,
         columnwise: bool,
         scales: Sequence[torch.Tensor | None] | None = None,
-    ) -> list[QuantizedTensor] | None:
+    ) -> Segments | None:
         """One launch when every split and K are multiples of 128 (no block spans two
         segments: experts' tokens, or for 128x128 the experts' weights stacked) and the fused
         kernel covers the options (power-of-two, no epsilon)."""
@@ -506,9 +534,9 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
         if not self._peers_match(peers) or not (rowwise or columnwise):
             return None
         mode = "1x128" if self.layout is ScaleLayout.BLOCK_1x128 else "128x128"
-        copies = kernels.cast_blocks_segments(x, splits, self.fp8_dtype, rowwise, columnwise, self.block,
-                                              self.power_2_scale, self.amax_epsilon, mode)
-        return self._segment_tensors(x, splits, *copies) if copies is not None else None
+        raw = kernels.cast_blocks_segments(x, splits, self.fp8_dtype, rowwise, columnwise, self.block,
+                                           self.power_2_scale, self.amax_epsilon, mode)
+        return Segments(*self._packs(x, splits, *raw), None) if raw is not None else None
 
 
 class Block1DQuantizer(_DeepSeekBlockQuantizer):

@@ -8,11 +8,18 @@ For a logical tensor ``t [rows, cols]``:
 
 Each copy is an ``Operand``: FP8 data whose last dim is contracted plus its scales in the
 logical layout of ``ScaleLayout``. The GEMM core only ever sees Operands.
+
+A ``Pack`` is every expert's copy from one segmented (one-launch) cast: one data buffer and one
+scale buffer, and the per-expert Operand views of them. Each such Operand carries its pack and
+slot, so a grouped GEMM knows in O(1) that a list of them lies as its one-launch kernels read
+it (instead of checking every expert's pointers), and a layer saves the two buffers for
+backward instead of two views per expert.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +38,8 @@ class Operand:
     data: torch.Tensor
     scale_inv: torch.Tensor
     layout: ScaleLayout
+    pack: Pack | None = field(default=None, compare=False, repr=False)  # the segmented cast it is a view of
+    slot: int = field(default=0, compare=False, repr=False)  # its expert's index in ``pack``
 
     @property
     def shape(self) -> torch.Size:
@@ -106,3 +115,132 @@ class QuantizedTensor:
         if self.scale is not None:
             out.append(self.scale)
         return out
+
+
+SCALE_STRIDE = 4  # per-expert tensorwise scales sit 16 bytes apart (cuBLAS rejects unaligned scale pointers)
+
+
+@dataclass(frozen=True, eq=False)
+class Pack:
+    """Every expert's rowwise (or columnwise) copy from one segmented cast of ``x [M, K]``
+    (``splits``: the experts' row counts, ``width``: K), in one data and one scale buffer:
+
+    ========================  ===============================  =====================================
+    copy                      ``data``                         ``scale_inv``
+    ========================  ===============================  =====================================
+    rowwise                   ``[M, K]``                       TENSOR: ``[E]`` 16 bytes apart;
+                                                               1x128: ``[K/128 * M]`` (expert e:
+                                                               ``[K/128, m_e]`` at ``K/128 * start``);
+                                                               128x128: ``[M/128, K/128]``
+    columnwise                ``[K * M]`` (expert e: ``[K,     TENSOR: as rowwise; 1x128:
+                              m_e]`` at ``K * start``)         ``[M/128, K]``; 128x128: ``[E, K/128,
+                                                               m/128]`` (equal splits), or the
+                                                               rowwise ``[M/128, K/128]``
+    ========================  ===============================  =====================================
+
+    ``grouped``: whether the one-launch grouped GEMMs can read the buffers as they are (all but
+    a 128x128 columnwise copy of unequal splits, whose experts' scales are transposed apart).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    splits: tuple[int, ...]
+    width: int
+    layout: ScaleLayout
+    columnwise: bool
+
+    @property
+    def grouped(self) -> bool:
+        if self.layout is ScaleLayout.TENSOR:
+            return len(self.splits) == 1 or self.scale_inv.stride(0) == SCALE_STRIDE
+        if self.layout is ScaleLayout.BLOCK_128x128 and self.columnwise:
+            return self.scale_inv.dim() == 3 and self.scale_inv.is_contiguous()
+        return self.scale_inv.is_contiguous()
+
+    def operands(self) -> list[Operand]:
+        """The experts' Operands: views of the two buffers, each tagged with this pack."""
+        k, splits = self.width, list(self.splits)
+        if self.columnwise:
+            datas = [c.view(k, n) for c, n in zip(self.data.split([k * n for n in splits]), splits)]
+        else:
+            datas = list(self.data.split(splits))
+        return [Operand(d, s, self.layout, self, i) for i, (d, s) in enumerate(zip(datas, self._scales()))]
+
+    def _scales(self) -> Sequence[torch.Tensor]:
+        s, layout, splits = self.scale_inv, self.layout, list(self.splits)
+        if layout is ScaleLayout.TENSOR:
+            return s.unbind(0)
+        if layout is ScaleLayout.BLOCK_1x128:
+            if self.columnwise:  # [M/128, K] -> per expert [K, m_e/128]
+                return [t.t() for t in s.split([n // 128 for n in splits])]
+            n_kb = -(-self.width // 128)  # [K/128 * M] -> per expert [m_e, K/128]
+            return [t.view(n_kb, n).t() for t, n in zip(s.split([n_kb * n for n in splits]), splits)]
+        if layout is ScaleLayout.BLOCK_128x128:
+            if not self.columnwise:
+                return s.split([n // 128 for n in splits])
+            if s.dim() == 3:  # equal splits: every expert's transposed blocks in one buffer
+                return s.unbind(0)
+            return [t.t().contiguous() for t in s.split([n // 128 for n in splits])]
+        raise ValueError(f"Pack: no segmented casts in {layout}")
+
+    def operand(self, i: int) -> Operand:
+        """Expert ``i``'s Operand alone (what ``operands()[i]`` holds, as a new object)."""
+        start, n, k = sum(self.splits[:i]), self.splits[i], self.width
+        if self.columnwise:
+            data = self.data[k * start : k * (start + n)].view(k, n)
+        else:
+            data = self.data[start : start + n]
+        s, layout = self.scale_inv, self.layout
+        if layout is ScaleLayout.TENSOR:
+            scale = s[i]
+        elif layout is ScaleLayout.BLOCK_1x128:
+            n_kb = -(-k // 128)
+            scale = s[start // 128 : (start + n) // 128].t() if self.columnwise \
+                else s[n_kb * start : n_kb * (start + n)].view(n_kb, n).t()
+        elif not self.columnwise:
+            scale = s[start // 128 : (start + n) // 128]
+        else:
+            scale = s[i] if s.dim() == 3 else s[start // 128 : (start + n) // 128].t().contiguous()
+        return Operand(data, scale, layout, self, i)
+
+    @staticmethod
+    def of(ops: Sequence[Operand]) -> Pack | None:
+        """The pack ``ops`` are exactly the Operands of, in slot order, where the grouped GEMMs
+        can read its buffers; else None."""
+        if isinstance(ops, Operands):
+            p = ops.pack
+            return p if p.grouped and p.data.is_contiguous() else None
+        p = ops[0].pack if ops else None
+        if p is None or len(ops) != len(p.splits) or not p.grouped or not p.data.is_contiguous():
+            return None
+        for i, op in enumerate(ops):
+            if op.pack is not p or op.slot != i:
+                return None
+        return p
+
+
+class Operands(Sequence[Operand]):
+    """The experts' Operands of one ``Pack``, made on first use: a grouped GEMM that reads the
+    pack's buffers in one launch never needs the per-expert views (``Pack.of`` answers in O(1)
+    for this sequence); indexing one expert makes only its view."""
+
+    __slots__ = ("pack", "_ops")
+
+    def __init__(self, pack: Pack) -> None:
+        self.pack = pack
+        self._ops: list[Operand] | None = None
+
+    def __len__(self) -> int:
+        return len(self.pack.splits)
+
+    def __getitem__(self, i: int) -> Operand:  # type: ignore[override]
+        if self._ops is None and isinstance(i, int):
+            return self.pack.operand(i if i >= 0 else i + len(self))
+        if self._ops is None:
+            self._ops = self.pack.operands()
+        return self._ops[i]
+
+    def __iter__(self) -> Iterator[Operand]:
+        if self._ops is None:
+            self._ops = self.pack.operands()
+        return iter(self._ops)

@@ -326,6 +326,7 @@ def _fp8_consts(dtype: torch.dtype) -> tuple[float, int, int, tl.dtype]:
 
 
 Copy = tuple[torch.Tensor, torch.Tensor | None]
+Raw = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 _CAST, _ROW_AMAX = Launcher(_cast_tile_kernel), Launcher(_row_amax_kernel)
 _SEGMENT_SCALE, _SCALE_FROM_AMAX = Launcher(_segment_scale_kernel), Launcher(_scale_from_amax_kernel)
 _DELAYED_STATE = Launcher(_delayed_state_kernel)
@@ -351,52 +352,24 @@ def cast_tiles(
 def cast_segments(
     x: torch.Tensor, offsets: torch.Tensor, splits: list[int], fp8_dtype: torch.dtype, mode: str,
     rowwise: bool, columnwise: bool, tensor_scale: torch.Tensor | None = None,
-) -> tuple[list[Copy] | None, list[Copy] | None]:
+) -> Raw:
     """Cast each row segment of ``x`` (``splits``; ``offsets`` their device prefix sums) as a
-    separate ``cast_tiles`` of it would: per segment ``(data, scale_inv)`` views. ``tensor``
-    mode: ``tensor_scale [E]`` per segment; ``1x128`` and ``128x128``: every split a multiple
-    of 128 (no block spans two segments; the experts' weights stacked, for ``128x128``)."""
+    separate ``cast_tiles`` of it would, in one launch: the raw buffers ``(row, row_s, col,
+    col_s)`` that ``quant.tensor.Pack`` views per segment (None where not asked for). ``tensor``
+    mode: ``tensor_scale [E]`` per segment, no scale buffers; ``1x128`` and ``128x128``: every
+    split a multiple of 128 (no block spans two segments; the experts' weights stacked, for
+    ``128x128``, whose columnwise scales are every segment's transposed blocks ``[E, K/128,
+    m/128]`` for equal splits, else None: the rowwise ones serve)."""
     aligned = all(s % TILE == 0 for s in splits)
     if mode != "tensor" and not aligned:
         raise ValueError(f"cast_segments: {mode} segments must be multiples of {TILE} rows, got {splits}")
     rowwise_out = rowwise
     rowwise = rowwise or mode == "128x128"  # the 2-D block scales come with the rowwise pass
-    raw = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, offsets, len(splits), aligned)
-    return _split_segments(raw, splits, x.shape[1], mode, rowwise_out, columnwise)
-
-
-def _split_segments(
-    raw: tuple[torch.Tensor | None, ...], splits: list[int], k: int, mode: str, rowwise: bool, columnwise: bool,
-) -> tuple[list[Copy] | None, list[Copy] | None]:
-    """Per-segment ``(data, scale_inv)`` views of a segmented launch's raw outputs."""
-    row, row_s, col, col_s = raw
-    n_kb = cdiv(k, TILE)
-    rows: list[Copy] | None = [] if rowwise else None
-    cols: list[Copy] | None = [] if columnwise else None
-    col_s_all = None  # 128x128, equal splits (stacked weights): every transposed scale block in one buffer
-    if mode == "128x128" and columnwise and len(set(splits)) == 1:
-        col_s_all = row_s.view(len(splits), splits[0] // TILE, n_kb).transpose(1, 2).contiguous()
-    if mode == "tensor":  # no block scales: the data views only, each list in one split call
-        if rows is not None:
-            rows = [(r, None) for r in row.split(splits)]
-        if cols is not None:
-            cols = [(c.view(k, n), None) for c, n in zip(col.split([k * n for n in splits]), splits)]
-        return rows, cols
-    lo = 0
-    for i, n in enumerate(splits):
-        hi = lo + n
-        if mode == "1x128":
-            r_s = row_s[lo * n_kb : hi * n_kb].view(n_kb, n).t() if row_s is not None else None
-            c_s = col_s[lo // TILE : hi // TILE].t() if col_s is not None else None
-        else:  # 128x128: the columnwise copy's blocks are the rowwise ones transposed
-            r_s = row_s[lo // TILE : hi // TILE]
-            c_s = col_s_all[i] if col_s_all is not None else r_s.t().contiguous()
-        if rows is not None:
-            rows.append((row[lo:hi], r_s))
-        if cols is not None:
-            cols.append((col[lo * k : hi * k].view(k, n), c_s))
-        lo = hi
-    return rows, cols
+    row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, offsets,
+                                     len(splits), aligned)
+    if mode == "128x128" and columnwise and len(set(splits)) == 1:  # every transposed scale block in one buffer
+        col_s = row_s.view(len(splits), splits[0] // TILE, cdiv(x.shape[1], TILE)).transpose(1, 2).contiguous()
+    return (row, row_s, col, col_s) if rowwise_out else (None, row_s, col, col_s)
 
 
 class _Fused:
@@ -485,7 +458,8 @@ def cast_current(
     """Current scaling in two launches (amax partials; then the cast, whose programs turn them
     into the scale): ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
     ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment:
-    lists of ``(data, None)`` copies and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart."""
+    the raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment,
+    and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart."""
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=True)
     n_seg = len(splits) if splits is not None else 1
@@ -493,10 +467,7 @@ def cast_current(
     fused = _Fused(part, s, inv, amax_epsilon, power_2_scale)
     raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=splits is not None,
                   fused=fused)
-    if splits is None:
-        return raw[0], raw[2], scale, inv
-    rows, cols = _split_segments(raw, splits, x.shape[1], "tensor", rowwise, columnwise)
-    return rows, cols, scale, inv
+    return raw[0], raw[2], scale, inv
 
 
 def amax_and_scale(

@@ -1,0 +1,115 @@
+"""Host cost of one eager GroupedLinear training step under two checkouts of the package, in one
+process (GPU): each checkout is imported under its own copy of the module tree, and their steps
+alternate round by round, so a drift of the machine's host speed (measured at up to ~35% between
+processes on the device) hits both alike. Prints host and device ms per step (median over
+rounds, and the spread) and the ratio new / old per round.
+
+    python scripts/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from benchlib import host_and_device_ms, markdown_table
+
+
+def _ours() -> dict[str, Any]:
+    return {m: mod for m, mod in sys.modules.items() if m == "megatron_fp8" or m.startswith("megatron_fp8.")}
+
+
+def _load(root: str) -> dict[str, Any]:
+    """The package at ``root`` imported fresh (its own module objects, every submodule imported
+    now: the package imports some lazily, by name, and ``_use`` puts this tree back in
+    ``sys.modules`` before its steps run)."""
+    for name in _ours():
+        del sys.modules[name]
+    sys.path.insert(0, root)
+    try:
+        import megatron_fp8
+        from megatron_fp8 import fp8_autocast
+        from megatron_fp8.modules.grouped import GroupedLinear
+        from megatron_fp8.recipe import PRESETS
+
+        for info in pkgutil.walk_packages(megatron_fp8.__path__, "megatron_fp8."):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # optional dependencies (megatron-core)
+                pass
+    finally:
+        sys.path.remove(root)
+    return {"GroupedLinear": GroupedLinear, "PRESETS": PRESETS, "fp8_autocast": fp8_autocast, "modules": _ours()}
+
+
+def _use(mod: dict[str, Any]) -> None:
+    sys.modules.update(mod["modules"])
+
+
+def _step(layer: torch.nn.Module, autocast: Any, recipe: Any, x: torch.Tensor, dy: torch.Tensor,
+          splits: list[int]) -> Callable[[], None]:
+    """``benchlib.train_step`` with this checkout's ``fp8_autocast`` (benchlib's imports whichever
+    ``megatron_fp8`` is loaded last)."""
+    params = list(layer.parameters())
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        with autocast(fp8_recipe=recipe):
+            y = layer(x, splits)
+        y.backward(dy)
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", required=True)
+    p.add_argument("--new", required=True)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    splits = [args.tokens] * args.experts
+    x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    steps, trees = {}, {}
+    for tag, root in (("old", args.old), ("new", args.new)):
+        mod = trees[tag] = _load(root)
+        for rname in args.recipes:
+            torch.manual_seed(0)
+            layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
+                                         device="cuda")
+            steps[(rname, tag)] = _step(layer, mod["fp8_autocast"], mod["PRESETS"][rname], x, dy,  # type: ignore[index]
+                                        splits)
+    got: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for key, step in steps.items():
+            _use(trees[key[1]])
+            got[key].append(host_and_device_ms(step, 20))
+    rows = []
+    for rname in args.recipes:
+        for tag in ("old", "new"):
+            host = [h for h, _ in got[(rname, tag)]]
+            dev = [d for _, d in got[(rname, tag)]]
+            rows.append([rname, tag, statistics.median(host), (max(host) - min(host)) / statistics.median(host),
+                         statistics.median(dev)])
+        ratios = [n[0] / o[0] for n, o in zip(got[(rname, "new")], got[(rname, "old")])]
+        rows.append([rname, "new / old host, median of rounds", statistics.median(ratios),
+                     (max(ratios) - min(ratios)), "-"])
+    print(f"{args.experts} experts x {args.tokens} tokens, K={args.k}, N={args.n}, {args.rounds} rounds of 20 steps")
+    print(markdown_table(["recipe", "checkout", "host ms/step", "spread", "device ms/step"], rows))
+
+
+if __name__ == "__main__":
+    main()
