@@ -494,14 +494,20 @@ def _pack_serves(p: Pack, kind: str) -> bool:
     return kind == "weights" and p.layout is L.BLOCK_128x128 and len(set(p.splits)) == 1
 
 
-def _one_buffer(ops: Sequence[Operand], starts: Sequence[int], kind: str, width: int) -> bool:
+def _one_buffer(ops: Sequence[Operand], starts: Sequence[int], kind: str, width: int) -> tuple[bool, Pack | None]:
     """Whether the experts' data lie back to back in one buffer and their scales where the
-    Triton grouped kernels look (``_scales_laid_out``): at once for the Operands of one
-    segmented cast (``Pack``), else checked expert by expert."""
+    Triton grouped kernels look (``_scales_laid_out``), and the ``Pack`` they are where they are
+    the Operands of one segmented cast (answered at once; else checked expert by expert)."""
     p = Pack.of(ops)
     if p is not None and _pack_serves(p, kind):
-        return True
-    return back_to_back([o.data for o in ops]) and _scales_laid_out(ops, starts, kind, width)
+        return True, p
+    return back_to_back([o.data for o in ops]) and _scales_laid_out(ops, starts, kind, width), None
+
+
+def _buffers(op0: Operand, pack: Pack | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data and scale buffers a grouped kernel indexes every expert from: a pack's own, else
+    views from where the first expert's lie (``_base``)."""
+    return (pack.data, pack.scale_inv) if pack is not None else (_base(op0.data), _base(op0.scale_inv))
 
 
 def _sizes(ops: Sequence[Operand], dim: int) -> list[int]:
@@ -521,21 +527,21 @@ def _same_shapes(ops: Sequence[Operand]) -> bool:
 
 def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: Operand, b0: Operand,
                            out_dtype: torch.dtype, splits: Sequence[int], blocked: bool, kinds: tuple[str, str],
-                           widths: tuple[int, int]) -> list[int] | None:
+                           widths: tuple[int, int]) -> tuple[list[int], Pack | None, Pack | None] | None:
     """The experts' first rows (tokens) where a one-launch Triton grouped GEMM may take the
     operands (``a0``, ``b0``: their first experts): more than one expert, the path allowed and
     Triton here, an output dtype it writes, tensorwise operands or the block pair the caller
     checked, every split a multiple of 128 and each operand's experts in one buffer, laid out as
-    ``kinds`` (``_one_buffer``). None otherwise."""
+    ``kinds`` (``_one_buffer``), with their packs (None: not one). None otherwise."""
     dev = a0.data.device
     if not (len(a) > 1 and _grouped_backend(dev) in ("auto", "triton") and _triton_grouped_here(dev)
             and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)):
         return None
     starts = list(itertools.accumulate(splits[:-1], initial=0))
-    if not (_one_buffer(a, starts, kinds[0], widths[0]) and _one_buffer(b, starts, kinds[1], widths[1])):
-        return None
-    return starts
+    ok_a, pa = _one_buffer(a, starts, kinds[0], widths[0])
+    ok_b, pb = _one_buffer(b, starts, kinds[1], widths[1]) if ok_a else (False, None)
+    return (starts, pa, pb) if ok_b else None
 
 
 def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
@@ -549,19 +555,19 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
     if not _same_shapes(b) or (blocked and (n % 128 or k % 128)):
         return None
-    starts = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("rows", "weights"), (k // 128, 0))
-    if starts is None:
+    got = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("rows", "weights"), (k // 128, 0))
+    if got is None:
         return None
     from . import triton_grouped
     from .quant.kernels import segment_offsets
 
     m, g = sum(splits), len(a)
     _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (m, n, k))
-    a_all = _base(a0.data).as_strided((m, k), (k, 1))
-    b_all = _base(b0.data).as_strided((g, n, k), (n * k, k, 1))
-    return triton_grouped.grouped_rows(a_all, b_all, _base(a0.scale_inv), _base(b0.scale_inv),
-                                       segment_offsets(splits, a0.data.device), out_dtype, blocked=blocked,
-                                       fast_accum=fast_accum)
+    (a_buf, sa), (b_buf, sb) = _buffers(a0, got[1]), _buffers(b0, got[2])
+    a_all = a_buf if a_buf.shape == (m, k) else a_buf.as_strided((m, k), (k, 1))
+    b_all = b_buf.as_strided((g, n, k), (n * k, k, 1))
+    return triton_grouped.grouped_rows(a_all, b_all, sa, sb, segment_offsets(splits, a0.data.device), out_dtype,
+                                       blocked=blocked, fast_accum=fast_accum)
 
 
 def grouped_wgrad(
@@ -578,15 +584,16 @@ def grouped_wgrad(
     (n, _), (k, _) = a0.shape, b0.shape
     splits = _sizes(a, 1)
     blocked = a0.layout is b0.layout is L.BLOCK_1x128
-    starts = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("tokens", "tokens"), (n, k))
-    if starts is None:
+    got = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("tokens", "tokens"), (n, k))
+    if got is None:
         return grouped_gemm(a, b, out_dtype, name=name)
     from . import triton_grouped
     from .quant.kernels import segment_offsets
 
     _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (n, k, sum(splits)))
-    out = triton_grouped.grouped_kgroup(_base(a0.data), _base(b0.data), _base(a0.scale_inv), _base(b0.scale_inv),
-                                        segment_offsets(splits, a0.data.device), n, k, out_dtype, blocked=blocked)
+    (a_buf, sa), (b_buf, sb) = _buffers(a0, got[1]), _buffers(b0, got[2])
+    out = triton_grouped.grouped_kgroup(a_buf, b_buf, sa, sb, segment_offsets(splits, a0.data.device), n, k,
+                                        out_dtype, blocked=blocked)
     return list(out.unbind(0))
 
 

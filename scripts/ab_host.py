@@ -79,8 +79,15 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--ragged", type=int, default=0, metavar="MULTIPLE",
+                   help="uneven token counts, each a multiple of MULTIPLE (seeded; the same total)")
     args = p.parse_args()
     splits = [args.tokens] * args.experts
+    if args.ragged:
+        g = torch.Generator().manual_seed(0)
+        units = args.experts * args.tokens // args.ragged
+        cuts = sorted(torch.randint(0, units + 1, (args.experts - 1,), generator=g).tolist())
+        splits = [(b - a) * args.ragged for a, b in zip([0, *cuts], [*cuts, units])]
     x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
     steps, trees = {}, {}
@@ -107,7 +114,7 @@ def main() -> None:
         ratios = [n[0] / o[0] for n, o in zip(got[(rname, "new")], got[(rname, "old")])]
         rows.append([rname, "new / old host, median of rounds", statistics.median(ratios),
                      (max(ratios) - min(ratios)), "-"])
-    print(f"{args.experts} experts x {args.tokens} tokens, K={args.k}, N={args.n}, {args.rounds} rounds of 20 steps")
+    print(f"{args.experts} experts, splits {splits}, K={args.k}, N={args.n}, {args.rounds} rounds of 20 steps")
     print(markdown_table(["recipe", "checkout", "host ms/step", "spread", "device ms/step"], rows))
 
 
