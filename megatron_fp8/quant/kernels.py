@@ -318,6 +318,28 @@ def aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def aligned_reciprocal(t: torch.Tensor) -> torch.Tensor:
+    """``1 / t`` for ``t [E]``, each element 16-byte aligned (``torch.reciprocal``'s bits)."""
+    return torch.reciprocal(t, out=_triton().aligned_scalars(t.numel(), t.device))
+
+
+def laid_out_run(scalars: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``[E]`` view of FP32 scalars that already lie 16 bytes apart, in order, in one buffer (the
+    per-expert scales of a one-launch cast), else None (also for a single scalar)."""
+    s0 = scalars[0]
+    stride = _triton().STRIDE
+    if len(scalars) < 2 or s0.dtype != torch.float32 or s0.numel() != 1:
+        return None
+    base, size = s0.data_ptr(), s0.element_size()
+    for i, s in enumerate(scalars):
+        if s.data_ptr() != base + i * stride * size or s.dtype != torch.float32 or s.numel() != 1:
+            return None
+    store = s0.untyped_storage()
+    if base + ((len(scalars) - 1) * stride + 1) * size > store.data_ptr() + store.nbytes():
+        return None
+    return s0.as_strided((len(scalars),), (stride,))
+
+
 def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: torch.Tensor, dtype: torch.dtype,
                              rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

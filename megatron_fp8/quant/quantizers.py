@@ -209,9 +209,15 @@ class _PerTensorQuantizer(Quantizer):
                               rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None,
                               kept: Sequence[torch.Tensor] | None = None) -> Segments:
         """Every segment cast in one launch with its given scale; each QuantizedTensor keeps
-        ``kept[i]`` (default: its scale in the aligned copy)."""
-        scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))
-        inv = kernels.aligned_copy(torch.reciprocal(scale))
+        ``kept[i]`` (default: its scale as the cast read it). Scales already laid out 16 bytes
+        apart in one buffer (a one-launch cast's, reused by the flagged backward) are read where
+        they are; others are copied so first."""
+        scale = kernels.laid_out_run(scales)
+        if scale is None:
+            scale = kernels.aligned_copy(torch.stack([s.view(()) for s in scales]))
+        elif kept is None:
+            kept = scales
+        inv = kernels.aligned_reciprocal(scale)
         return self._cast_laid_out(x, splits, scale, inv, rowwise, columnwise, offsets,
                                    list(kept) if kept is not None else scale.unbind(0))
 
