@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--flag", action="store_true", help="save_original_input=True on both layers")
     p.add_argument("--ragged", type=int, default=0, metavar="MULTIPLE",
                    help="uneven token counts, each a multiple of MULTIPLE (seeded; the same total)")
     args = p.parse_args()
@@ -96,7 +97,7 @@ def main() -> None:
         for rname in args.recipes:
             torch.manual_seed(0)
             layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
-                                         device="cuda")
+                                         device="cuda", save_original_input=args.flag)
             steps[(rname, tag)] = _step(layer, mod["fp8_autocast"], mod["PRESETS"][rname], x, dy,  # type: ignore[index]
                                         splits)
     got: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
@@ -114,7 +115,8 @@ def main() -> None:
         ratios = [n[0] / o[0] for n, o in zip(got[(rname, "new")], got[(rname, "old")])]
         rows.append([rname, "new / old host, median of rounds", statistics.median(ratios),
                      (max(ratios) - min(ratios)), "-"])
-    print(f"{args.experts} experts, splits {splits}, K={args.k}, N={args.n}, {args.rounds} rounds of 20 steps")
+    print(f"{args.experts} experts, splits {splits}, K={args.k}, N={args.n}, save_original_input={args.flag}, "
+          f"{args.rounds} rounds of 20 steps")
     print(markdown_table(["recipe", "checkout", "host ms/step", "spread", "device ms/step"], rows))
 
 

@@ -42,7 +42,7 @@ class FP8Module(nn.Module):
         state = current_fp8_state()
         if state is None or not state.enabled:
             return None
-        if state.recipe != self._fp8_recipe:
+        if state.recipe is not self._fp8_recipe and state.recipe != self._fp8_recipe:
             if any(s for q in self._quantizers.values() for s in (q.input.state_dict(),)):
                 warnings.warn(
                     f"{type(self).__name__}{f'({self.name})' if getattr(self, 'name', None) else ''}: the FP8 "
