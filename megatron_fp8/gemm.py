@@ -494,12 +494,14 @@ def _pack_serves(p: Pack, kind: str) -> bool:
     return kind == "weights" and p.layout is L.BLOCK_128x128 and len(set(p.splits)) == 1
 
 
-def _one_buffer(ops: Sequence[Operand], starts: Sequence[int], kind: str, width: int) -> tuple[bool, Pack | None]:
+def _one_buffer(ops: Sequence[Operand], splits: Sequence[int], starts: Sequence[int], kind: str,
+                width: int) -> tuple[bool, Pack | None]:
     """Whether the experts' data lie back to back in one buffer and their scales where the
-    Triton grouped kernels look (``_scales_laid_out``), and the ``Pack`` they are where they are
-    the Operands of one segmented cast (answered at once; else checked expert by expert)."""
+    Triton grouped kernels look (``_scales_laid_out``, experts of ``splits`` tokens from
+    ``starts``), and the ``Pack`` they are where they are the Operands of one segmented cast
+    (answered at once; else checked expert by expert)."""
     p = Pack.of(ops)
-    if p is not None and _pack_serves(p, kind):
+    if p is not None and _pack_serves(p, kind) and (kind == "weights" or p.splits == tuple(splits)):
         return True, p
     return back_to_back([o.data for o in ops]) and _scales_laid_out(ops, starts, kind, width), None
 
@@ -539,8 +541,8 @@ def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: Opera
             and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)):
         return None
     starts = list(itertools.accumulate(splits[:-1], initial=0))
-    ok_a, pa = _one_buffer(a, starts, kinds[0], widths[0])
-    ok_b, pb = _one_buffer(b, starts, kinds[1], widths[1]) if ok_a else (False, None)
+    ok_a, pa = _one_buffer(a, splits, starts, kinds[0], widths[0])
+    ok_b, pb = _one_buffer(b, splits, starts, kinds[1], widths[1]) if ok_a else (False, None)
     return (starts, pa, pb) if ok_b else None
 
 

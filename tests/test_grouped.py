@@ -12,6 +12,8 @@ the tokens and dy zero-padded to the block (the zero rows add exact zeros to the
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +131,59 @@ def test_grouped_equals_separate_linears_and_flag_is_neutral(name: str, case: st
             assert torch.equal(on, off), f"{name} step {step}: tensor {j} differs with save_original_input"
     zero = [i for i, m in enumerate(splits) if m == 0]
     assert zero and all(not results[False][1][2 + i].any() for i in zero)  # no tokens: zero wgrad
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "flag-on"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_copying_saved_tensor_hooks_change_nothing(name: str, flag: bool, device: str) -> None:
+    """Saved tensors that come back as fresh contiguous copies (what CPU offload of activations
+    does) give the same bits as the tensors kept in place: also the experts' per-tensor scales,
+    saved as one buffer 16 bytes apart and packed together by the copy (cuBLAS needs each GEMM
+    scale pointer 16-byte aligned again)."""
+    recipe, splits = RECIPES[name], [256, 512, 0, 128]
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(sum(splits), N, dtype=torch.bfloat16, device=device)
+
+    def run(hooks: bool) -> list[torch.Tensor]:  # a fresh layer each time (delayed scaling keeps state)
+        torch.manual_seed(0)
+        layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16, save_original_input=flag,
+                              device=device)
+        xi = x.clone().requires_grad_()
+        def fresh_copy(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+        ctx = (torch.autograd.graph.saved_tensors_hooks(fresh_copy, lambda t: t) if hooks
+               else contextlib.nullcontext())
+        with ctx, mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(xi, splits)
+        y.backward(dy)
+        return [y, xi.grad, *(w.grad for w in layer.weights)]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_unstash_realigns_copied_tensorwise_scales() -> None:
+    """A pack's per-expert scales handed back packed together (by a copying saved-tensor hook)
+    are laid out 16 bytes apart again: each expert's scale pointer 16-byte aligned, values kept."""
+    from megatron_fp8.ops.grouped_linear import _unstash
+    from megatron_fp8.quant.formats import ScaleLayout
+
+    splits, k = (128, 0, 256), 64
+    data = torch.zeros(sum(splits) * k, dtype=torch.float8_e4m3fn)
+    scale = torch.tensor([0.5, 2.0, 4.0])  # contiguous: 4 bytes apart
+    ops = _unstash([data, scale], (splits, k, ScaleLayout.TENSOR, True))
+    assert [o.scale_inv.item() for o in ops] == [0.5, 2.0, 4.0]
+    assert all(o.scale_inv.data_ptr() % 16 == 0 for o in ops)
+    assert [tuple(o.shape) for o in ops] == [(k, m) for m in splits]
+    assert ops[-1].slot == 2
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            ops[bad]
 
 
 def test_fp8_off_equals_separate_linears() -> None:

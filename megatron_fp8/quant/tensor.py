@@ -235,6 +235,8 @@ class Operands(Sequence[Operand]):
 
     def __getitem__(self, i: int) -> Operand:  # type: ignore[override]
         if self._ops is None and isinstance(i, int):
+            if not -len(self) <= i < len(self):
+                raise IndexError(f"expert {i} of {len(self)}")
             return self.pack.operand(i if i >= 0 else i + len(self))
         if self._ops is None:
             self._ops = self.pack.operands()
