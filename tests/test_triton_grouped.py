@@ -41,6 +41,15 @@ QUANTIZERS = {
 TOL = {False: 1e-3, True: 1e-3}
 
 
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [sum(SPLITS), K]``, the experts' weights stacked ``[E * N, K]`` and ``dy [sum(SPLITS), N]``."""
+    torch.manual_seed(0)
+    x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
+    dy = (torch.randn(sum(SPLITS), N) * 0.01).bfloat16().to(DEV)
+    w = (torch.randn(len(SPLITS) * N, K) * 0.05).bfloat16().to(DEV)
+    return x, w, dy
+
+
 def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -48,11 +57,8 @@ def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("fast_accum", [False, True], ids=["precise", "fast"])
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: bool) -> None:
-    torch.manual_seed(0)
     g = len(SPLITS)
-    x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
-    dy = (torch.randn(sum(SPLITS), N) * 0.01).bfloat16().to(DEV)
-    w = (torch.randn(g * N, K) * 0.05).bfloat16().to(DEV)
+    x, w, dy = _inputs()
     qx, qw, qg = QUANTIZERS[name]
     xs = qx.quantize_segments(x, SPLITS, peers=[qx] * g, rowwise=True, columnwise=True)
     ws = qw.quantize_segments(w, [N] * g, peers=[qw] * g, rowwise=True, columnwise=True)
@@ -93,11 +99,8 @@ def test_packs_agree_with_the_per_expert_layout_checks(name: str) -> None:
     answer; a reordered or partial list is no pack; the lazily made Operand of one expert is the
     view ``operands()`` makes; a pack rebuilt from its two buffers (what backward gets from
     ``save_for_backward``) makes the same views."""
-    torch.manual_seed(0)
     g = len(SPLITS)
-    x = (torch.randn(sum(SPLITS), K) * 2).bfloat16().to(DEV)
-    dy = (torch.randn(sum(SPLITS), N) * 0.01).bfloat16().to(DEV)
-    w = (torch.randn(g * N, K) * 0.05).bfloat16().to(DEV)
+    x, w, dy = _inputs()
     qx, qw, qg = QUANTIZERS[name]
     cases = [(qx, x, SPLITS, ("rows", "tokens")), (qw, w, [N] * g, ("weights", "weights")),
              (qg, dy, SPLITS, ("rows", "tokens"))]
