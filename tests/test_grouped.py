@@ -167,6 +167,33 @@ def test_copying_saved_tensor_hooks_change_nothing(name: str, flag: bool, device
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "delayed"])  # delayed: x's scale moves per call
+def test_weight_cache_follows_is_first_microbatch(name: str) -> None:
+    """Megatron's micro-batch convention on the grouped layer: the experts' FP8 weights cast with
+    ``is_first_microbatch=True`` are reused while it is False (an in-place weight change is not
+    seen), recast when it is True again, and not kept when it is None."""
+    recipe, splits = RECIPES[name], [256, 0, 128]
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16)
+
+    def run(first: bool | None) -> torch.Tensor:
+        with torch.no_grad(), mf.fp8_autocast(fp8_recipe=recipe):
+            return layer(x, splits, is_first_microbatch=first)
+
+    y0 = run(True)
+    assert layer._w_cache
+    with torch.no_grad():
+        for w in layer.weights:
+            w.mul_(2)
+    assert torch.equal(run(False), y0)  # the cached cast
+    y2 = run(True)
+    assert not torch.equal(y2, y0)  # cast again from the changed weights
+    assert torch.equal(run(False), y2)
+    run(None)
+    assert not layer._w_cache
+
+
 def test_unstash_realigns_copied_tensorwise_scales() -> None:
     """A pack's per-expert scales handed back packed together (by a copying saved-tensor hook)
     are laid out 16 bytes apart again: each expert's scale pointer 16-byte aligned, values kept."""

@@ -18,10 +18,13 @@ from torch import nn
 from ..gemm import back_to_back
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
+from ..quant.quantizers import Segments
 from ..quant.tensor import QuantizedTensor
 from .base import FP8Module, default_init
 
 __all__ = ["GroupedLinear"]
+
+_ALL = "weights"  # the weight cache's key for every expert's weight cast in one launch
 
 
 
@@ -63,29 +66,38 @@ class ExpertParams:
             return w0.detach().as_strided((len(ws) * w0.shape[0], w0.shape[1]), (w0.shape[1], 1))
         return torch.cat([w.detach() for w in ws])
 
-    def _fp8_weights(self, qs: list[LinearQuantizers], is_first_microbatch: bool | None) -> list[QuantizedTensor]:
+    def _fp8_weights(self, qs: list[LinearQuantizers], is_first_microbatch: bool | None
+                     ) -> list[QuantizedTensor] | Segments:
         """Every expert's FP8 weight: cached, or cast in one launch where the recipe's quantizer
-        can (current scaling, 128x128 blocks on CUDA), else expert by expert."""
+        can (current scaling, 128x128 blocks on CUDA), kept as that cast's packs (``Segments``:
+        no per-expert objects are made), else expert by expert."""
+        cache: dict[str, QuantizedTensor | Segments] = self._w_cache  # type: ignore[attr-defined]
         keys = [f"weight{i}" for i in range(self.num_gemms)]
-        cache: dict[str, QuantizedTensor] = self._w_cache  # type: ignore[attr-defined]
-        if is_first_microbatch is False and all(k in cache for k in keys):
-            return [cache[k] for k in keys]
+        if is_first_microbatch is False:
+            if _ALL in cache:
+                return cache[_ALL]  # type: ignore[return-value]
+            if all(k in cache for k in keys):
+                return [cache[k] for k in keys]  # type: ignore[misc]
         q0, w0 = qs[0].weight, self.weights[0]
-        fused = None
+        seg = None
         if self.num_gemms > 1 and q0.casts_segments(w0):
             with torch.no_grad():
-                fused = q0.quantize_segments(self._stacked_weights(), [w0.shape[0]] * self.num_gemms,
-                                             peers=[q.weight for q in qs], rowwise=True, columnwise=True)
-        if fused is None:
+                seg = q0.quantize_segments_packed(self._stacked_weights(), [w0.shape[0]] * self.num_gemms,
+                                                  peers=[q.weight for q in qs], rowwise=True, columnwise=True)
+        if seg is None or seg.rows is None or seg.cols is None:
             return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]
                     for k, q in zip(keys, qs)]
-        for k, w_q in zip(keys, fused):
-            self.remember_fp8_weight(k, w_q, is_first_microbatch)  # type: ignore[attr-defined]
-        return fused
+        for t in (seg.rows.data, seg.rows.scale_inv, seg.cols.data, seg.cols.scale_inv, *(seg.scales or ())):
+            t._mf_param_derived = True  # type: ignore[attr-defined]  # saved-tensor accounting: parameters
+        if is_first_microbatch is None:
+            cache.pop(_ALL, None)
+        else:
+            cache[_ALL] = seg
+        return seg
 
     def fp8_operands(
         self, is_first_microbatch: bool | None
-    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | None]:
+    ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | Segments | None]:
         """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
         qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]  # type: ignore[attr-defined]
         if qs[0] is None:

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
-from ..quant.quantizers import Quantizer
+from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
 from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
 
@@ -73,7 +73,7 @@ class GroupedArgs:
     """
 
     m_splits: tuple[int, ...]
-    w_fp8: tuple[QuantizedTensor, ...] | None
+    w_fp8: tuple[QuantizedTensor, ...] | Segments | None
     quantizers: tuple[LinearQuantizers, ...] | None
     save_original_input: bool = False
     fuse_wgrad: bool = False
@@ -251,9 +251,9 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     # x's columnwise copies serve only wgrad: not cast at all without one
     x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
                                            columnwise=args.wgrad and not soi)
-    w_rows = [w.operand("rowwise") for w in args.w_fp8]
+    w_rows, w_cols = _weight_operands(args.w_fp8)
     y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
-    w_saved, ctx.w_meta = _stash([w.operand("columnwise") for w in args.w_fp8])
+    w_saved, ctx.w_meta = _stash(w_cols)
     ctx.x_meta = None
     orig: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
@@ -264,6 +264,16 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
         x_saved, ctx.x_meta = _stash(x_cols)  # type: ignore[arg-type]
     _save(ctx, [orig, scales, x_saved, w_saved])
     return y
+
+
+def _weight_operands(w_fp8: Sequence[QuantizedTensor] | Segments
+                     ) -> tuple[Sequence[Operand], Sequence[Operand]]:
+    """The experts' rowwise and columnwise FP8 weights: a one-launch cast's packs as they are, or
+    each expert's QuantizedTensor's copies."""
+    if isinstance(w_fp8, Segments):
+        assert w_fp8.rows is not None and w_fp8.cols is not None
+        return Operands(w_fp8.rows), Operands(w_fp8.cols)
+    return [w.operand("rowwise") for w in w_fp8], [w.operand("columnwise") for w in w_fp8]
 
 
 def _saved_x_columnwise(ctx: Any, orig: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
@@ -321,7 +331,7 @@ def grouped_linear(
     biases: Sequence[torch.Tensor] | None,
     m_splits: Sequence[int] | torch.Tensor,
     *,
-    w_fp8: Sequence[QuantizedTensor] | None = None,
+    w_fp8: Sequence[QuantizedTensor] | Segments | None = None,
     quantizers: Sequence[LinearQuantizers] | None = None,
     save_original_input: bool = False,
     fuse_wgrad_accumulation: bool = False,
@@ -329,7 +339,8 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``cat_i(x_i @ weights[i].T + biases[i])`` over the experts' token groups of ``x [..., K]``
     (``m_splits`` counts rows of ``x`` flattened to 2-D). FP8 GEMMs when ``quantizers`` (one per
-    expert) is given; ``w_fp8``: the weights cast rowwise and columnwise (cast here if None)."""
+    expert) is given; ``w_fp8``: the weights cast rowwise and columnwise, one QuantizedTensor per
+    expert or one launch's ``Segments`` (cast here if None)."""
     n = len(weights)
     x2d = x.reshape(-1, x.shape[-1])
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
@@ -347,7 +358,9 @@ def grouped_linear(
             w_fp8 = [mark_param_derived(q.weight.quantize(w, rowwise=True, columnwise=True))
                      for q, w in zip(quantizers, weights)]
     wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-    args = GroupedArgs(splits, tuple(w_fp8) if w_fp8 is not None else None,
+    if isinstance(w_fp8, Segments) and w_fp8.rows is not None and len(w_fp8.rows.splits) != n:
+        raise ValueError(f"{name}: FP8 weights of {len(w_fp8.rows.splits)} experts for {n} experts")
+    args = GroupedArgs(splits, w_fp8 if isinstance(w_fp8, Segments) or w_fp8 is None else tuple(w_fp8),
                        tuple(quantizers) if quantizers is not None else None,
                        save_original_input, fuse_wgrad_accumulation, name, wgrad)
     bias_list = list(biases) if biases is not None else [None] * n
