@@ -194,6 +194,26 @@ def test_weight_cache_follows_is_first_microbatch(name: str) -> None:
     assert not layer._w_cache
 
 
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_one_launch_casts_save_two_tensors_per_operand(name: str) -> None:
+    """Where the experts' casts run in one launch (CUDA, or Triton's interpreter), the layer saves
+    each FP8 operand's pack, a data and a scale buffer (x's columnwise copy, the weights'
+    columnwise copy): 4 tensors whatever the expert count; elsewhere 2 per expert and operand."""
+    splits = [256, 0, 128, 384, 128, 256]
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16, requires_grad=True)
+    layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16)
+    saved: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+        layer(x, splits)
+    packed = kernels.segments_fused(x, True)
+    assert len(saved) == (4 if packed else 4 * len(splits))
+
+
 def test_unstash_realigns_copied_tensorwise_scales() -> None:
     """A pack's per-expert scales handed back packed together (by a copying saved-tensor hook)
     are laid out 16 bytes apart again: each expert's scale pointer 16-byte aligned, values kept."""
