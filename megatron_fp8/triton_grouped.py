@@ -38,11 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant.tensor import SCALE_STRIDE
 from .triton_launch import Launcher, cdiv
 
 BLOCK = 128
 BLOCK_C = tl.constexpr(BLOCK)  # scaling-block edge
-STRIDE = tl.constexpr(4)  # per-expert scales 16 bytes apart (triton_cast.STRIDE)
+STRIDE = tl.constexpr(SCALE_STRIDE)  # per-expert scales 16 bytes apart
 
 
 @triton.jit

@@ -14,11 +14,10 @@ import importlib
 import pkgutil
 import statistics
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from benchlib import host_and_device_ms, markdown_table
+from benchlib import host_and_device_ms, markdown_table, train_step
 
 
 def _ours() -> dict[str, Any]:
@@ -52,23 +51,6 @@ def _use(mod: dict[str, Any]) -> None:
     sys.modules.update(mod["modules"])
 
 
-def _step(layer: torch.nn.Module, autocast: Any, recipe: Any, x: torch.Tensor, dy: torch.Tensor,
-          splits: list[int]) -> Callable[[], None]:
-    """``benchlib.train_step`` with this checkout's ``fp8_autocast`` (benchlib's imports whichever
-    ``megatron_fp8`` is loaded last)."""
-    params = list(layer.parameters())
-
-    def step() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        with autocast(fp8_recipe=recipe):
-            y = layer(x, splits)
-        y.backward(dy)
-
-    return step
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True)
@@ -98,8 +80,8 @@ def main() -> None:
             torch.manual_seed(0)
             layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
                                          device="cuda", save_original_input=args.flag)
-            steps[(rname, tag)] = _step(layer, mod["fp8_autocast"], mod["PRESETS"][rname], x, dy,  # type: ignore[index]
-                                        splits)
+            steps[(rname, tag)] = train_step(layer, x, dy, mod["PRESETS"][rname], splits,  # type: ignore[index]
+                                             autocast=mod["fp8_autocast"])
     got: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
     for _ in range(args.rounds):
         for key, step in steps.items():

@@ -35,13 +35,16 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
 
 
 def train_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: Any = None,
-               splits: Sequence[int] | None = None) -> Callable[[], None]:
+               splits: Sequence[int] | None = None, autocast: Callable[..., Any] | None = None
+               ) -> Callable[[], None]:
     """A forward+backward closure over ``module`` (grads of ``x`` and the parameters reset each
     call): under ``fp8_autocast(recipe)`` unless ``recipe`` is None; ``splits``: a grouped
-    layer's per-expert token counts."""
+    layer's per-expert token counts; ``autocast``: the ``fp8_autocast`` to use (default: the
+    imported package's, bound now; ``ab_host.py`` passes each checkout's own)."""
     import contextlib
 
-    from megatron_fp8 import fp8_autocast
+    if autocast is None:
+        from megatron_fp8 import fp8_autocast as autocast
 
     params = list(module.parameters())
 
@@ -49,7 +52,7 @@ def train_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recip
         x.grad = None
         for p in params:
             p.grad = None
-        with fp8_autocast(fp8_recipe=recipe) if recipe is not None else contextlib.nullcontext():
+        with autocast(fp8_recipe=recipe) if recipe is not None else contextlib.nullcontext():
             y = module(x) if splits is None else module(x, splits)
         y.backward(dy)
 

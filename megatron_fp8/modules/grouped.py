@@ -17,7 +17,7 @@ from torch import nn
 
 from ..gemm import back_to_back
 from ..ops.grouped_linear import grouped_linear
-from ..ops.linear import LinearQuantizers
+from ..ops.linear import LinearQuantizers, mark_tensors_param_derived
 from ..quant.quantizers import Segments
 from ..quant.tensor import QuantizedTensor
 from .base import FP8Module, default_init
@@ -87,8 +87,8 @@ class ExpertParams:
         if seg is None or seg.rows is None or seg.cols is None:
             return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]
                     for k, q in zip(keys, qs)]
-        for t in (seg.rows.data, seg.rows.scale_inv, seg.cols.data, seg.cols.scale_inv, *(seg.scales or ())):
-            t._mf_param_derived = True  # type: ignore[attr-defined]  # saved-tensor accounting: parameters
+        mark_tensors_param_derived((seg.rows.data, seg.rows.scale_inv, seg.cols.data, seg.cols.scale_inv,
+                                    *(seg.scales or ())))
         if is_first_microbatch is None:
             cache.pop(_ALL, None)
         else:

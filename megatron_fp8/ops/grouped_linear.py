@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer, Segments
-from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
+from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor, aligned_scalars
 from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
 
 __all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
@@ -185,7 +185,7 @@ def _unstash(saved: Sequence[torch.Tensor], meta: _PackMeta | ScaleLayout) -> Se
     if meta[2] is ScaleLayout.TENSOR and len(meta[0]) > 1 and scale.stride(0) != SCALE_STRIDE:
         # a saved-tensor hook that copies (CPU offload) hands back the experts' scales packed
         # together; each GEMM scale pointer must be 16-byte aligned again
-        scale = torch.empty((scale.numel(), SCALE_STRIDE), dtype=scale.dtype, device=scale.device)[:, 0].copy_(scale)
+        scale = aligned_scalars(scale.numel(), scale.device).copy_(scale)
     return Operands(Pack(data, scale, *meta))
 
 

@@ -21,6 +21,7 @@ and the hooks gather it along the token dim in forward and again in backward.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,9 +46,14 @@ def mark_param_derived(qt: QuantizedTensor) -> QuantizedTensor:
     """Tag a weight's FP8 tensors so saved-tensor accounting files them under parameters (and
     the buffers of the one-launch cast they are views of, which a grouped layer saves)."""
     packs = [op.pack for op in (qt.rowwise, qt.columnwise) if op is not None and op.pack is not None]
-    for t in [*qt.tensors(), *(t for p in packs for t in (p.data, p.scale_inv))]:
-        t._mf_param_derived = True  # type: ignore[attr-defined]
+    mark_tensors_param_derived([*qt.tensors(), *(t for p in packs for t in (p.data, p.scale_inv))])
     return qt
+
+
+def mark_tensors_param_derived(tensors: Iterable[torch.Tensor]) -> None:
+    """Tag tensors derived from parameters (FP8 weights) for saved-tensor accounting."""
+    for t in tensors:
+        t._mf_param_derived = True  # type: ignore[attr-defined]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import reference as ref
+from .tensor import SCALE_STRIDE, aligned_scalars
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 Copies = tuple[Pair | None, Pair | None]
@@ -313,21 +314,21 @@ def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.d
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:
     """``t [E]`` copied so that each ``t[i]`` is 16-byte aligned (a per-expert GEMM scale)."""
-    out = _triton().aligned_scalars(t.numel(), t.device)
+    out = aligned_scalars(t.numel(), t.device)
     out.copy_(t)
     return out
 
 
 def aligned_reciprocal(t: torch.Tensor) -> torch.Tensor:
     """``1 / t`` for ``t [E]``, each element 16-byte aligned (``torch.reciprocal``'s bits)."""
-    return torch.reciprocal(t, out=_triton().aligned_scalars(t.numel(), t.device))
+    return torch.reciprocal(t, out=aligned_scalars(t.numel(), t.device))
 
 
 def laid_out_run(scalars: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """``[E]`` view of FP32 scalars that already lie 16 bytes apart, in order, in one buffer (the
     per-expert scales of a one-launch cast), else None (also for a single scalar)."""
     s0 = scalars[0]
-    stride = _triton().STRIDE
+    stride = SCALE_STRIDE
     if len(scalars) < 2 or s0.dtype != torch.float32 or s0.numel() != 1:
         return None
     base, size = s0.data_ptr(), s0.element_size()
@@ -346,7 +347,7 @@ def cast_tensorwise_segments(x: torch.Tensor, splits: Sequence[int], scales: tor
     """Each segment cast with its scale (``scales [E]``), one launch: the raw rowwise
     ``[M, K]`` and flat columnwise ``[K * M]`` buffers (``quant.tensor.Pack`` views them)."""
     off = offsets if offsets is not None else segment_offsets(splits, x.device)
-    if len(splits) > 1 and scales.stride(0) != _triton().STRIDE:  # the kernel reads scales 16 bytes apart
+    if len(splits) > 1 and scales.stride(0) != SCALE_STRIDE:  # the kernel reads scales 16 bytes apart
         scales = aligned_copy(scales)
     row, _, col, _ = _triton().cast_segments(x, off, list(splits), dtype, "tensor", rowwise, columnwise, scales)
     return row, col

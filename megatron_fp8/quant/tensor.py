@@ -120,6 +120,15 @@ class QuantizedTensor:
 SCALE_STRIDE = 4  # per-expert tensorwise scales sit 16 bytes apart (cuBLAS rejects unaligned scale pointers)
 
 
+def aligned_scalars(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` FP32 view whose elements sit ``SCALE_STRIDE`` floats (16 bytes) apart (each
+    ``t[i]`` is a valid scale pointer for ``torch._scaled_mm``); a plain ``[1]`` tensor when
+    ``n == 1``."""
+    if n == 1:
+        return torch.empty((1,), dtype=torch.float32, device=device)
+    return torch.empty((n, SCALE_STRIDE), dtype=torch.float32, device=device)[:, 0]
+
+
 @dataclass(frozen=True, eq=False)
 class Pack:
     """Every expert's rowwise (or columnwise) copy from one segmented cast of ``x [M, K]``
@@ -159,47 +168,31 @@ class Pack:
 
     def operands(self) -> list[Operand]:
         """The experts' Operands: views of the two buffers, each tagged with this pack."""
-        k, splits = self.width, list(self.splits)
-        if self.columnwise:
-            datas = [c.view(k, n) for c, n in zip(self.data.split([k * n for n in splits]), splits)]
-        else:
-            datas = list(self.data.split(splits))
-        return [Operand(d, s, self.layout, self, i) for i, (d, s) in enumerate(zip(datas, self._scales()))]
-
-    def _scales(self) -> Sequence[torch.Tensor]:
-        s, layout, splits = self.scale_inv, self.layout, list(self.splits)
-        if layout is ScaleLayout.TENSOR:
-            return s.unbind(0)
-        if layout is ScaleLayout.BLOCK_1x128:
-            if self.columnwise:  # [M/128, K] -> per expert [K, m_e/128]
-                return [t.t() for t in s.split([n // 128 for n in splits])]
-            n_kb = -(-self.width // 128)  # [K/128 * M] -> per expert [m_e, K/128]
-            return [t.view(n_kb, n).t() for t, n in zip(s.split([n_kb * n for n in splits]), splits)]
-        if layout is ScaleLayout.BLOCK_128x128:
-            if not self.columnwise:
-                return s.split([n // 128 for n in splits])
-            if s.dim() == 3:  # equal splits: every expert's transposed blocks in one buffer
-                return s.unbind(0)
-            return [t.t().contiguous() for t in s.split([n // 128 for n in splits])]
-        raise ValueError(f"Pack: no segmented casts in {layout}")
+        out, start = [], 0
+        for i, n in enumerate(self.splits):
+            out.append(self._view(i, start, n))
+            start += n
+        return out
 
     def operand(self, i: int) -> Operand:
         """Expert ``i``'s Operand alone (what ``operands()[i]`` holds, as a new object)."""
-        start, n, k = sum(self.splits[:i]), self.splits[i], self.width
-        if self.columnwise:
-            data = self.data[k * start : k * (start + n)].view(k, n)
-        else:
-            data = self.data[start : start + n]
-        s, layout = self.scale_inv, self.layout
+        return self._view(i, sum(self.splits[:i]), self.splits[i])
+
+    def _view(self, i: int, start: int, n: int) -> Operand:
+        """Expert ``i`` (``n`` rows from row ``start``): its data and scales in the two buffers."""
+        k, s, layout = self.width, self.scale_inv, self.layout
+        data = self.data[k * start : k * (start + n)].view(k, n) if self.columnwise else self.data[start : start + n]
         if layout is ScaleLayout.TENSOR:
             scale = s[i]
         elif layout is ScaleLayout.BLOCK_1x128:
             n_kb = -(-k // 128)
             scale = s[start // 128 : (start + n) // 128].t() if self.columnwise \
                 else s[n_kb * start : n_kb * (start + n)].view(n_kb, n).t()
+        elif layout is not ScaleLayout.BLOCK_128x128:
+            raise ValueError(f"Pack: no segmented casts in {layout}")
         elif not self.columnwise:
             scale = s[start // 128 : (start + n) // 128]
-        else:
+        else:  # equal splits: every expert's transposed blocks in one buffer; else transposed here
             scale = s[i] if s.dim() == 3 else s[start // 128 : (start + n) // 128].t().contiguous()
         return Operand(data, scale, layout, self, i)
 

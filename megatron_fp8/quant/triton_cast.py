@@ -55,20 +55,13 @@ import triton.language as tl
 
 from ..triton_launch import Launcher, cdiv
 from .formats import fp8_max
+from .tensor import SCALE_STRIDE as STRIDE
+from .tensor import aligned_scalars
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
-STRIDE = 4  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
-SCALE_STRIDE = tl.constexpr(STRIDE)
-
-
-def aligned_scalars(n: int, device: torch.device) -> torch.Tensor:
-    """``[n]`` FP32 view whose elements sit 16 bytes apart (each ``t[i]`` is a valid scale
-    pointer for ``torch._scaled_mm``); a plain ``[1]`` tensor when ``n == 1``."""
-    if n == 1:
-        return torch.empty((1,), dtype=torch.float32, device=device)
-    return torch.empty((n, STRIDE), dtype=torch.float32, device=device)[:, 0]
+SCALE_STRIDE = tl.constexpr(STRIDE)  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 
 
 @triton.jit
