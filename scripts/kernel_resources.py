@@ -25,10 +25,14 @@ from triton.compiler import ASTSource
 
 from megatron_fp8 import triton_grouped as tg
 from megatron_fp8.quant import triton_cast as tc
+from megatron_fp8.quant import triton_persistent as tp
 
 _CAST_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("row_s_ptr", "*fp32"), ("col_ptr", "*fp8e4nv"),
               ("col_s_ptr", "*fp32"), ("tensor_scale_ptr", "*fp32"), ("seg_ptr", "*i32"), ("part_ptr", "*i32"),
               ("inv_ptr", "*fp32")] + [(n, "i32") for n in ("M", "K", "n_kb", "n_mb", "n_seg", "n_part", "S_PART")]
+_PERSISTENT_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("col_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32"),
+                    ("inv_ptr", "*fp32"), ("seg_ptr", "*i64"), ("sync_ptr", "*i32")] + [
+                        (n, "i32") for n in ("M", "K", "n_kb", "n_seg", "chunk")]
 _ROWS_ARGS = [("a_ptr", "*fp8e4nv"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
               ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
 _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
@@ -39,6 +43,10 @@ def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool =
     return dict(MODE=tc._MODES[mode], DO_ROW=row, DO_COL=col, SEG=seg, ALIGNED=seg, FMAX=448.0, F_EXP=8, F_MANT=3,
                 OUT=tl.float8e4nv, T=tc.TILE, FUSED=fused and mode == "tensor", R_AMAX=16, EPS=0.0, POW2=False,
                 BP=1024)
+
+
+def _persistent_case(row: bool, col: bool, seg: bool) -> dict[str, Any]:
+    return dict(DO_ROW=row, DO_COL=col, SEG=seg, FMAX=448.0, OUT=tl.float8e4nv, T=tc.TILE, EPS=0.0, POW2=False, BE=128)
 
 
 def _rows_case(blocked: bool, imprecise: int | None) -> dict[str, Any]:
@@ -56,6 +64,10 @@ CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
     "cast tensor row+col (given scale)": (tc._cast_tile_kernel, _CAST_ARGS,
                                           _cast_case("tensor", True, True, fused=False), 0),
     "cast tensor row+col, experts": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True, True), 0),
+    "cast tensor row+col, one launch, experts": (tp._current_persistent_kernel, _PERSISTENT_ARGS,
+                                                 _persistent_case(True, True, True), 0),
+    "cast tensor col, one launch": (tp._current_persistent_kernel, _PERSISTENT_ARGS,
+                                    _persistent_case(False, True, False), 0),
     "grouped rows, tensor, fast": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, None), 3),
     "grouped rows, tensor, promoted": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, 128), 3),
     "grouped rows, blocks": (tg._rows_kernel, _ROWS_ARGS, _rows_case(True, None), 3),

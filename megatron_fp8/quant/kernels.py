@@ -4,10 +4,10 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 ``triton`` | ``compile`` | ``eager`` pins one):
 
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
-  Used for tensorwise casts (current scaling: amax partials, then a cast that computes the
-  scale, two launches; with a given scale, one), for power-of-two 1x128 /
-  128x128 block casts without an amax epsilon (the defaults), and for the one-launch casts of
-  all experts of a grouped layer (``*_segments``).
+  Used for tensorwise casts (current scaling: amax, scale and cast in one persistent launch,
+  ``triton_persistent.py``; with a given scale, one launch), for power-of-two 1x128 / 128x128
+  block casts without an amax epsilon (the defaults), and for the one-launch casts of all
+  experts of a grouped layer (``*_segments``).
 * ``compile``: ``torch.compile`` of the reference functions below (block options the kernels
   do not cover; MXFP8 only when forced, since SM90 emulates its GEMMs anyway).
 * ``eager``: the reference itself.
@@ -263,7 +263,7 @@ CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torc
 
 def cast_current(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool,
                  amax_epsilon: float) -> CurrentCast | None:
-    """Current scaling (amax, scale, cast) in two launches: ``(row, col, scale, 1/scale)``, or
+    """Current scaling (amax, scale, cast) in one launch: ``(row, col, scale, 1/scale)``, or
     None where that does not apply (off the kernels' device, FP32 with a columnwise copy, empty)."""
     if not segments_fused(x, columnwise) or x.numel() == 0:
         return None
@@ -301,7 +301,7 @@ _fused_current = _FusedCurrentGuard()
 def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
                           columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-    """``cast_current`` of every segment in two launches: the raw ``row [M, K]`` / flat
+    """``cast_current`` of every segment in one launch: the raw ``row [M, K]`` / flat
     ``col [K * M]`` buffers (``quant.tensor.Pack`` views them per segment) and per-segment scales
     ``[E]``, 16 bytes apart; or None where that does not apply (also: a split zero or not a
     multiple of 128)."""

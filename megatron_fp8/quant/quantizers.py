@@ -305,7 +305,7 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
             return self._cast_segments_scaled(x, splits, scales, rowwise, columnwise)  # type: ignore[arg-type]
         fused = None if reduce else \
             kernels.cast_current_segments(x, splits, self.fp8_dtype, rowwise, columnwise, **kw)
-        if fused is not None:  # amax, scale and cast of every segment in two launches
+        if fused is not None:  # amax, scale and cast of every segment in one launch
             rows, cols, scale, inv = fused
         else:
             amax, scale, inv, offsets = kernels.segment_amax_scale(x, splits, self.fp8_dtype, scale=not reduce, **kw)

@@ -32,11 +32,12 @@ segment and turns the amax into ``(scale, 1/scale)`` in FP64, exactly as
 ``reference.amax_to_scale`` and ``torch.reciprocal`` do (a correctly rounded FP64 result rounded
 to FP32 is the correctly rounded FP32 result for a division).
 
-Current scaling without a group reduction (``cast_current``) takes two launches: the amax
-kernel leaves one partial per program, and every cast program reduces its tensor's (or
-segment's) partials and computes the scale itself; the first program of each segment
-publishes scale and 1/scale. Launches, not bandwidth, bound the small casts (see
-``_Launcher``).
+Current scaling without a group reduction (``cast_current``) takes one launch on a GPU (the
+persistent cast of ``triton_persistent.py``) and two here otherwise (under Triton's
+interpreter, or asked for): the amax kernel leaves one partial per program, and every cast
+program reduces its tensor's (or segment's) partials and computes the scale itself; the first
+program of each segment publishes scale and 1/scale. Launches, not bandwidth, bound the small
+casts (see ``triton_launch.Launcher``).
 
 The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
 come from the exponent and mantissa bits of the amax (no division), values are multiplied by
@@ -447,12 +448,24 @@ def _amax_partials(x: torch.Tensor, per_program: bool) -> tuple[torch.Tensor, in
 def cast_current(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool = False,
     amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
+    one_launch: bool | None = None,
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
     """Current scaling in two launches (amax partials; then the cast, whose programs turn them
     into the scale): ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
     ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment:
     the raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment,
-    and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart."""
+    and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. ``one_launch`` (None: where it runs,
+    ``triton_persistent.persistent_ok``): the same in one launch (``triton_persistent``)."""
+    persistent = _persistent()
+    if one_launch or (one_launch is None and persistent.persistent_ok(x)):
+        try:
+            return persistent.cast_current_persistent(x, fp8_dtype, rowwise, columnwise,
+                                                      power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+                                                      splits=splits, offsets=offsets)
+        except Exception as e:  # noqa: BLE001 - this Triton cannot build or launch it: two launches from now on
+            if one_launch:
+                raise
+            persistent.disable(e)
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=True)
     n_seg = len(splits) if splits is not None else 1
@@ -461,6 +474,13 @@ def cast_current(
     raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=splits is not None,
                   fused=fused)
     return raw[0], raw[2], scale, inv
+
+
+@functools.cache
+def _persistent() -> Any:
+    from . import triton_persistent  # imports this module
+
+    return triton_persistent
 
 
 def amax_and_scale(
