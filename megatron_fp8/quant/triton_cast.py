@@ -457,7 +457,7 @@ def cast_current(
     and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. ``one_launch`` (None: where it runs,
     ``triton_persistent.persistent_ok``): the same in one launch (``triton_persistent``)."""
     persistent = _persistent()
-    if one_launch or (one_launch is None and persistent.persistent_ok(x)):
+    if x.numel() and (one_launch or (one_launch is None and persistent.persistent_ok(x))):
         try:
             return persistent.cast_current_persistent(x, fp8_dtype, rowwise, columnwise,
                                                       power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,

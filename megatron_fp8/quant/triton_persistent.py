@@ -205,6 +205,8 @@ def cast_current_persistent(
     Triton's interpreter runs a grid of one (its programs run one after another)."""
     x = x.contiguous()
     m, k = x.shape
+    if not m or not k:
+        raise ValueError(f"cast_current_persistent: x {tuple(x.shape)} is empty (the two-launch cast serves it)")
     n_kb = cdiv(k, TILE)
     n_seg = len(splits) if splits is not None else 1
     dev = x.device
@@ -214,7 +216,7 @@ def cast_current_persistent(
     scale, inv = aligned_scalars(n_seg, dev), aligned_scalars(n_seg, dev)
     fmax, _, _, out = _fp8_consts(fp8_dtype)
     warps = cast_warps("tensor", rowwise, columnwise)
-    spec = (x.dtype, fp8_dtype, rowwise, columnwise, splits is not None, warps, COOPERATIVE)
+    spec = (dev, x.dtype, fp8_dtype, rowwise, columnwise, splits is not None, warps, COOPERATIVE)
     fits = _resident.get(spec)
     n_tiles = cdiv(m, TILE) * n_kb
     if dev.type == "cuda":
