@@ -77,7 +77,6 @@ class Launcher:
         self.kernels: dict[tuple[Any, ...], _Kept] = {}
         self.fast = bool(params) and os.environ.get("TRITON_INTERPRET") != "1"
         self._stream: Any = None  # the active driver's current-stream function, fetched once
-        self.kept_last: _Kept | None = None  # the compiled kernel the last fast launch ran
 
     def _key(self, device: int, values: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """``_spec`` of every argument, with its tensor and int cases inlined (a launch's key is
@@ -99,11 +98,11 @@ class Launcher:
         values = [*args, *[kwargs[name] for name in self.names[len(args):]]]
         device = torch.cuda.current_device()
         key = self._key(device, values, kwargs)
-        kept = self.kept_last = self.kernels.get(key)
+        kept = self.kernels.get(key)
         if kept is None:
             kernel = self.fn[tuple(grid)](*args, **kwargs)
             try:
-                self.kernels[key] = self.kept_last = _keep(kernel.result() if hasattr(kernel, "result") else kernel)
+                self.kernels[key] = _keep(kernel.result() if hasattr(kernel, "result") else kernel)
             except AttributeError:  # another Triton's compiled-kernel API: plain launches from now on
                 self.fast = False
             return

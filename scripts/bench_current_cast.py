@@ -1,7 +1,6 @@
 """Current-scaling casts (GPU): the two-launch cast (amax pass, then cast) against the one-launch
-persistent cast (``quant/triton_persistent.py``) at 1 and 2 programs per SM (and 2 without a
-cooperative launch), on the tensors of
-the grouped benchmark (8 experts x 2048 tokens) and of the Linear benchmark. Checks that both
+persistent cast (``quant/triton_persistent.py``) at 1 and 2 programs per SM, on the tensors of the
+grouped benchmark (8 experts x 2048 tokens) and of the Linear benchmark. Checks that both
 give the same bits, then prints a table: median us (CUDA events, L2 flushed between runs by
 ``do_bench``) and the bandwidth over the fewest bytes a cast must move (input read once, each
 FP8 copy written once).
@@ -57,14 +56,14 @@ def main() -> None:
         off = kernels.segment_offsets(splits, x.device) if splits else None
         two = _cast(x, splits, off, dtype, row, col, False)
         times = {"two launches": median_ms(functools.partial(_cast, x, splits, off, dtype, row, col, False))}
-        for per_sm, coop in ((1, True), (2, True), (2, False)):
-            triton_persistent.PROGRAMS_PER_SM, triton_persistent.COOPERATIVE = per_sm, coop
+        for per_sm in (1, 2):
+            triton_persistent.PROGRAMS_PER_SM = per_sm
             one = _cast(x, splits, off, dtype, row, col, True)
             if not _same(one, two):
                 raise SystemExit(f"{name}: one-launch cast differs from the two-launch cast ({per_sm}/SM)")
-            step = functools.partial(_cast, x, splits, off, dtype, row, col, True)
-            times[f"one launch, {per_sm}/SM{'' if coop else ', not cooperative'}"] = median_ms(step)
-        triton_persistent.PROGRAMS_PER_SM, triton_persistent.COOPERATIVE = 0, True
+            times[f"one launch, {per_sm}/SM"] = median_ms(functools.partial(_cast, x, splits, off, dtype, row, col,
+                                                                            True))
+        triton_persistent.PROGRAMS_PER_SM = 2
         least = m * k * (2 + int(row) + int(col))
         best = min(times.values())
         rows.append([name, f"{least / 1e6:.0f}", *(f"{v * 1e3:.1f}" for v in times.values()),
@@ -72,7 +71,6 @@ def main() -> None:
         print(rows[-1], flush=True)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(markdown_table(["tensor", "least MB", "two launches us", "one launch 1/SM us", "one launch 2/SM us",
-                          "2/SM not cooperative us",
                           "two / best", "best GB/s over least bytes"], rows))
 
 

@@ -32,7 +32,7 @@ _CAST_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("row_s_ptr", "*fp32"
               ("inv_ptr", "*fp32")] + [(n, "i32") for n in ("M", "K", "n_kb", "n_mb", "n_seg", "n_part", "S_PART")]
 _PERSISTENT_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("col_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32"),
                     ("inv_ptr", "*fp32"), ("seg_ptr", "*i64"), ("sync_ptr", "*i32")] + [
-                        (n, "i32") for n in ("M", "K", "n_kb", "n_seg", "chunk")]
+                        (n, "i32") for n in ("M", "K", "n_kb", "n_seg")]
 _ROWS_ARGS = [("a_ptr", "*fp8e4nv"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
               ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
 _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
@@ -46,7 +46,8 @@ def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool =
 
 
 def _persistent_case(row: bool, col: bool, seg: bool) -> dict[str, Any]:
-    return dict(DO_ROW=row, DO_COL=col, SEG=seg, FMAX=448.0, OUT=tl.float8e4nv, T=tc.TILE, EPS=0.0, POW2=False, BE=128)
+    return dict(DO_ROW=row, DO_COL=col, SEG=seg, FMAX=448.0, OUT=tl.float8e4nv, T=tc.TILE, EPS=0.0, POW2=False, BE=128,
+                PHASES=0)
 
 
 def _rows_case(blocked: bool, imprecise: int | None) -> dict[str, Any]:

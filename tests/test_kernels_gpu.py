@@ -188,4 +188,3 @@ def test_current_cast_in_two_launches_bitwise(shape: tuple[int, int], dtype: tor
         if fill != "nan":  # NaN payload bits aside, the data is the reference's
             assert _bits_equal(row, ref.cast_to_fp8(x, s_ref, dtype))
             assert _bits_equal(col, ref.cast_to_fp8(x, s_ref, dtype).t().contiguous())
-

@@ -1,7 +1,9 @@
 """The one-launch current-scaling cast (``quant/triton_persistent.py``: an amax barrier, then the
-cast) against the two-launch cast, bit for bit. CUDA: full grids, several programs per SM, two
-streams at once, CUDA graphs. CPU under ``TRITON_INTERPRET=1``: a grid of one program (the
-interpreter runs programs one after another), which still walks every segment both ways."""
+cast) against the two-launch cast, bit for bit. CUDA: full and small grids, one or two programs
+per SM, two streams at once, CUDA graphs. CPU under ``TRITON_INTERPRET=1`` (which runs programs
+one after another, so no barrier can work): one program with the barrier, and grids of several
+programs as two launches of the same kernel (amax, then cast), so the tile partition and the
+segment walks of a multi-program grid are checked here too."""
 
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def _input(shape: tuple[int, int], splits: list[int] | None) -> torch.Tensor:
     return x
 
 
-SPLITS = [None, [128, 1920, 384, 256, 1280], [128] * 37] + ([[2048] * 8] if GPU else [])
+SPLITS = ([None, [128, 1920, 384, 256, 1280], [128] * 37, [2048] * 8] if GPU
+          else [None, [128, 384, 256, 640], [128] * 11])  # smaller where the interpreter runs them
 SHAPES_K = [512, 200] if GPU else [200]
 OPTIONS = [(E4, {}), (E5, dict(power_2_scale=True)), (E4, dict(amax_epsilon=1e-3))]
 
@@ -60,17 +63,17 @@ OPTIONS = [(E4, {}), (E5, dict(power_2_scale=True)), (E4, dict(amax_epsilon=1e-3
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: "tensor" if s is None else f"{len(s)}seg")
 def test_one_launch_equals_two(splits: list[int] | None, copies: tuple[bool, bool]) -> None:
     """Data and scales, every copy, both formats, power-of-two scales and an epsilon, zeros, NaN
-    and inf, odd shapes; on CUDA at several grid sizes (a program's tiles may span segments),
-    each launched three times (the sync words reset themselves)."""
+    and inf, odd shapes, at several grid sizes (a program's tiles may span segments); on CUDA each
+    launched three times (the sync words reset themselves)."""
     if splits is not None:
         shapes = [(sum(splits), k) for k in SHAPES_K]
     else:
         shapes = [(300, 640), (17, 40), (1, 7)] + ([(16384, 4096)] if GPU else [])
-    grids = [None, 1, 3, 7] if GPU else [None]
     for shape in shapes:
-        for dtype, kw in OPTIONS:
+        for i, (dtype, kw) in enumerate(OPTIONS):
             x = _input(shape, splits)
-            for programs in grids:
+            # CUDA: every grid, three launches each; the interpreter (slow): one grid per option
+            for programs in [None, 1, 3, 7] if GPU else [[1, 2, 7][i]]:
                 for _ in range(3 if GPU else 1):
                     assert _same(*_both(x, dtype, *copies, splits, programs, **kw)), (shape, dtype, kw, programs)
 
@@ -95,39 +98,90 @@ def test_one_launch_on_streams_and_in_graphs(per_sm: int, monkeypatch: pytest.Mo
     torch.cuda.synchronize()
     for i in range(2):
         assert all(_same(o, want[i]) for o in outs[i])
-    static = xs[0].clone()
-    triton_cast.cast_current(static, E4, True, True, one_launch=True, **kw)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = triton_cast.cast_current(static, E4, True, True, one_launch=True, **kw)
-    for x, w in zip(xs, want):
-        static.copy_(x)
-        graph.replay()
+    # two graphs captured on one stream (each launch gets its own sync words), an eager cast on
+    # that stream between the captures, replays in any order and on two streams at once
+    statics = [x.clone() for x in xs]
+    triton_cast.cast_current(statics[0], E4, True, True, one_launch=True, **kw)  # compiled outside the capture
+    capture = torch.cuda.Stream()
+    graphs, got = [torch.cuda.CUDAGraph() for _ in xs], []
+    for i, (graph, static) in enumerate(zip(graphs, statics)):
+        with torch.cuda.graph(graph, stream=capture):
+            got.append(triton_cast.cast_current(static, E4, True, True, one_launch=True, **kw))
+        if i == 0:
+            with torch.cuda.stream(capture):
+                eager = triton_cast.cast_current(xs[1], E4, True, True, one_launch=True, **kw)
+            torch.cuda.synchronize()
+            assert _same(eager, want[1])
+    for order in ((0, 1), (1, 0)):
+        for i in order:
+            graphs[i].replay()
         torch.cuda.synchronize()
-        assert _same(got, w)
+        assert all(_same(got[i], want[i]) for i in range(2))
+    for _ in range(10):
+        for graph, st in zip(graphs, streams):
+            with torch.cuda.stream(st):
+                graph.replay()
+    torch.cuda.synchronize()
+    assert all(_same(got[i], want[i]) for i in range(2))
 
 
-def test_dispatch() -> None:
-    """``cast_current`` takes the one-launch path on CUDA unless switched off; never under the
-    interpreter."""
-    x = torch.randn(4, 4, device=DEV)
-    assert triton_persistent.persistent_ok(x) == (GPU and triton_persistent.ENABLED
-                                                  and os.environ.get("TRITON_INTERPRET") != "1")
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cast_current`` takes the one-launch path on CUDA when it is on (not under the interpreter,
+    not for an empty tensor), and the two-launch path when it is off."""
+    calls: list[int] = []
+    real = triton_persistent.cast_current_persistent
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_persistent, "cast_current_persistent", spy)
+    monkeypatch.setattr(triton_persistent, "ENABLED", True)
+    x = _input((256, 256), None)
+    triton_cast.cast_current(x, E4, True, True)
+    assert len(calls) == (1 if GPU else 0)
+    triton_cast.cast_current(x[:0], E4, True, False)
+    assert len(calls) == (1 if GPU else 0)
+    monkeypatch.setattr(triton_persistent, "ENABLED", False)
+    triton_cast.cast_current(x, E4, True, True)
+    assert len(calls) == (1 if GPU else 0)
 
 
-def test_falls_back_to_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_splits_are_refused() -> None:
+    x = _input((256, 64), None)
+    off = kernels.segment_offsets([128, 128], x.device)
+    for splits in ([128, 64, 64], [256, 0], [128]):
+        with pytest.raises(ValueError, match="positive multiples of 128"):
+            triton_persistent.cast_current_persistent(x, E4, True, True, splits=splits, offsets=off)
+    with pytest.raises(ValueError, match="empty"):
+        triton_persistent.cast_current_persistent(x[:0], E4, True, True)
+
+
+@pytest.mark.parametrize("error, falls_back", [
+    (RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch"), True),
+    (RuntimeError("something else"), False),
+    (ValueError("a caller's mistake"), False),
+    (torch.OutOfMemoryError("out of memory"), False),
+], ids=["launch", "runtime", "value", "oom"])
+def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where this Triton cannot build or launch the persistent kernel, ``cast_current`` warns once
-    and gives the two-launch cast (same bits) from then on; asked for explicitly, it raises."""
+    and gives the two-launch cast (same bits) from then on; any other error reaches the caller and
+    leaves the one-launch path on; asked for explicitly, it always raises."""
     def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("no cooperative launch here")
+        raise error
 
     monkeypatch.setattr(triton_persistent, "cast_current_persistent", broken)
     monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: triton_persistent.ENABLED)
     monkeypatch.setattr(triton_persistent, "ENABLED", True)
     x = _input((256, 256), None)
     want = triton_cast.cast_current(x, E4, True, True, one_launch=False)
-    with pytest.warns(RuntimeWarning, match="one-launch current-scaling cast unavailable"):
-        got = triton_cast.cast_current(x, E4, True, True)
-    assert _same(got, want) and not triton_persistent.ENABLED
-    with pytest.raises(RuntimeError, match="no cooperative launch"):
+    if falls_back:
+        with pytest.warns(RuntimeWarning, match="one-launch current-scaling cast unavailable"):
+            got = triton_cast.cast_current(x, E4, True, True)
+        assert _same(got, want) and not triton_persistent.ENABLED
+    else:
+        with pytest.raises(type(error)):
+            triton_cast.cast_current(x, E4, True, True)
+        assert triton_persistent.ENABLED
+    with pytest.raises(type(error)):
         triton_cast.cast_current(x, E4, True, True, one_launch=True)

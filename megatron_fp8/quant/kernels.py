@@ -263,8 +263,9 @@ CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torc
 
 def cast_current(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool,
                  amax_epsilon: float) -> CurrentCast | None:
-    """Current scaling (amax, scale, cast) in one launch: ``(row, col, scale, 1/scale)``, or
-    None where that does not apply (off the kernels' device, FP32 with a columnwise copy, empty)."""
+    """Current scaling (amax, scale, cast) in one launch (two where ``triton_persistent`` does not
+    run): ``(row, col, scale, 1/scale)``, or None where that does not apply (off the kernels'
+    device, FP32 with a columnwise copy, empty)."""
     if not segments_fused(x, columnwise) or x.numel() == 0:
         return None
     out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
@@ -301,7 +302,7 @@ _fused_current = _FusedCurrentGuard()
 def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
                           columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-    """``cast_current`` of every segment in one launch: the raw ``row [M, K]`` / flat
+    """``cast_current`` of every segment in one launch (or two, as above): the raw ``row [M, K]`` / flat
     ``col [K * M]`` buffers (``quant.tensor.Pack`` views them per segment) and per-segment scales
     ``[E]``, 16 bytes apart; or None where that does not apply (also: a split zero or not a
     multiple of 128)."""

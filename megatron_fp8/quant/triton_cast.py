@@ -32,11 +32,10 @@ segment and turns the amax into ``(scale, 1/scale)`` in FP64, exactly as
 ``reference.amax_to_scale`` and ``torch.reciprocal`` do (a correctly rounded FP64 result rounded
 to FP32 is the correctly rounded FP32 result for a division).
 
-Current scaling without a group reduction (``cast_current``) takes one launch on a GPU (the
-persistent cast of ``triton_persistent.py``) and two here otherwise (under Triton's
-interpreter, or asked for): the amax kernel leaves one partial per program, and every cast
-program reduces its tensor's (or segment's) partials and computes the scale itself; the first
-program of each segment publishes scale and 1/scale. Launches, not bandwidth, bound the small
+Current scaling without a group reduction (``cast_current``) takes two launches here (one with
+the opt-in persistent cast of ``triton_persistent.py``): the amax kernel leaves one partial per
+program, and every cast program reduces its tensor's (or segment's) partials and computes the
+scale itself; the first program of each segment publishes scale and 1/scale. Launches, not bandwidth, bound the small
 casts (see ``triton_launch.Launcher``).
 
 The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
@@ -450,20 +449,21 @@ def cast_current(
     amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
     one_launch: bool | None = None,
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
-    """Current scaling in two launches (amax partials; then the cast, whose programs turn them
-    into the scale): ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
-    ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment:
-    the raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment,
-    and ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. ``one_launch`` (None: where it runs,
-    ``triton_persistent.persistent_ok``): the same in one launch (``triton_persistent``)."""
+    """Current scaling: ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
+    ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment: the
+    raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment, and
+    ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. One launch where ``one_launch`` is True, or
+    None and ``triton_persistent.persistent_ok`` (the persistent cast; if this Triton cannot build
+    or launch it, a warning and two launches from then on); otherwise two launches: amax partials,
+    then the cast, whose programs turn them into the scale."""
     persistent = _persistent()
     if x.numel() and (one_launch or (one_launch is None and persistent.persistent_ok(x))):
         try:
             return persistent.cast_current_persistent(x, fp8_dtype, rowwise, columnwise,
                                                       power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
                                                       splits=splits, offsets=offsets)
-        except Exception as e:  # noqa: BLE001 - this Triton cannot build or launch it: two launches from now on
-            if one_launch:
+        except Exception as e:
+            if one_launch or not persistent.launch_failed(e):
                 raise
             persistent.disable(e)
     x = x.contiguous()

@@ -1,10 +1,9 @@
 """Current scaling in one launch (CUDA): a persistent cast whose programs meet at one barrier.
 
-``triton_cast.cast_current`` takes two launches: an amax pass, then a cast whose programs turn
-the amax partials into the scale. Here one launch of as many programs as the GPU holds at once
-(the driver's occupancy, up to 2 per SM) does both. Each program owns a contiguous run of the
-128x128 tiles, row-major, so a run crosses at most a few segments (the experts; one segment for
-a plain tensor):
+``triton_cast.cast_current`` can take two launches: an amax pass, then a cast whose programs turn
+the amax partials into the scale. Here one launch of two programs per SM does both. Each program
+owns a contiguous run of the 128x128 tiles, row-major (runs differ by one tile at most), so a run
+crosses at most a few segments (the experts; one segment for a plain tensor):
 
 1. it reduces ``|x|`` over its tiles, per segment, and folds each segment's maximum into that
    segment's amax word (an integer ``atomic_max`` over FP32 bit patterns: for non-negative
@@ -16,22 +15,34 @@ a plain tensor):
    L2.
 
 The bits are ``cast_current``'s: an amax is a maximum (order-free), and scale and cast are the
-same code (the GPU tests compare them with ``torch.equal`` at several grid sizes). The sync words
-(arrivals, departures, one amax per segment) are cleared by the last program to leave, so they
-are zero between launches; each stream has its own (kernels on two streams may overlap). The
-launch is cooperative: the driver refuses a grid that cannot be resident at once (then one
-program per SM is used) rather than letting the barrier wait forever. Triton's interpreter runs
-programs one after another, so there the grid is one program.
+same code (tests compare them with ``torch.equal`` at several grid sizes).
 
-Measured on an H200 (``scripts/bench_current_cast.py``, docs/benchmarks.md): a plain tensor's
-cast 1.27-1.31x faster; the experts' casts level with the two-launch cast on the GPU (within
-1-5%), one launch fewer each, which the host-bound eager grouped step feels (0.90x host time).
+Sync words (arrivals, departures, one amax per segment): the last program to leave clears them,
+after a CTA barrier so that none of its threads still reads an amax. In eager mode each stream
+keeps its own (launches on one stream run in order, kernels on two may overlap); while a CUDA
+graph is captured each launch gets new ones, zeroed by a node of the graph.
+
+Residency: a barrier over programs that are not all resident at once never opens. Every variant
+is built with at most 128 registers a thread at 8 warps (``maxnreg``; the variants Triton
+specializes for unaligned shapes would otherwise take 255 and fit once per SM) and uses at most
+32 KB of shared memory, so two fit on an SM, and the launch is cooperative: the driver refuses a
+grid that cannot be resident (fewer SMs to this process, as under MPS) instead of starting it,
+and the device then drops to one program per SM. Triton's interpreter runs programs one after
+another, so there a grid of several programs runs as two launches of the same kernel (amax,
+then cast: ``PHASES``), which checks the partition and the segment walks on CPU.
+
+Measured on an H200 (``scripts/bench_current_cast.py``, docs/benchmarks.md) for the version before
+this one, which was on by default and passed the GPU suite: a plain tensor's cast 1.27-1.31x
+faster; the experts' casts level with the two-launch cast on the GPU (within 1-5%), one launch
+fewer each, which the host-bound eager grouped step feels (0.90x host time). A review then found
+that version's sync words shared between CUDA graphs (and not zeroed before a first replay), its
+occupancy guess taken from one specialization for all, and its column stores a byte wide for the
+experts; this version mends those (the interpreter tests pass) but has not run on a GPU yet, so
+it is opt-in: ``MEGATRON_FP8_ONE_LAUNCH_CAST=1``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import warnings
 from typing import Any
@@ -39,6 +50,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from ..triton_launch import Launcher, cdiv
 from .tensor import aligned_scalars
@@ -56,104 +69,128 @@ def _segment_at(row, seg_ptr, n_seg):
 
 @triton.jit
 def _current_persistent_kernel(
-    x_ptr, row_ptr, col_ptr, scale_ptr, inv_ptr, seg_ptr, sync_ptr, M, K, n_kb, n_seg, chunk,
+    x_ptr, row_ptr, col_ptr, scale_ptr, inv_ptr, seg_ptr, sync_ptr, M, K, n_kb, n_seg,
     DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
-    T: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, BE: tl.constexpr,
+    T: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, BE: tl.constexpr, PHASES: tl.constexpr,
 ):
+    """``PHASES`` 0: the whole cast, with the barrier; 1 / 2: only the amax / only the cast, as two
+    launches of the same grid (for Triton's interpreter, which cannot run a barrier)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     ar = tl.arange(0, T)
-    n_tiles = tl.cdiv(M, T) * n_kb
-    lo = pid.to(tl.int64) * chunk  # this program's tiles: [lo, hi), row-major (k fastest)
-    hi = tl.minimum(lo + chunk, n_tiles)
-    amax_ptr = sync_ptr + 4  # sync words: arrivals, departures, 2 spare, then one amax per segment
-    # 1. amax of this program's tiles, per segment (folded in when the tiles leave a segment)
-    e = 0
-    end = tl.zeros((), dtype=tl.int64) + M
-    if SEG:  # segments are whole row tiles (multiples of T rows)
-        e = _segment_at((lo // n_kb) * T, seg_ptr, n_seg)
-        end = tl.load(seg_ptr + e + 1)
-    acc = tl.zeros((), dtype=tl.int32)
-    for t in range(lo, hi):
-        rows = (t // n_kb) * T + ar
-        if SEG:
-            while (t // n_kb) * T >= end:
-                tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
-                acc = tl.zeros((), dtype=tl.int32)
-                e += 1
-                end = tl.load(seg_ptr + e + 1)
-        offs_k = (t % n_kb) * T + ar
-        mask = (rows[:, None] < M) & (offs_k[None, :] < K)
-        v = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
-        acc = tl.maximum(acc, tl.max(tl.max(v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                                            axis=1), axis=0))
-    tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
-    # 2. every program's amaxes are in: the barrier
-    tl.atomic_add(sync_ptr, 1, sem="release")
-    while tl.atomic_add(sync_ptr, 0, sem="acquire") < n_prog:
-        pass
-    if pid == 0:  # publish every segment's scale and 1/scale
-        for b in range(0, n_seg, BE):
-            offs = b + tl.arange(0, BE)
-            a = tl.load(amax_ptr + offs, mask=offs < n_seg, other=0, volatile=True).to(tl.float32, bitcast=True)
-            s_all, inv_all = _tensor_scale(a, FMAX, EPS, 1.0, POW2)
-            tl.store(scale_ptr + offs * SCALE_STRIDE, s_all, mask=offs < n_seg)
-            tl.store(inv_ptr + offs * SCALE_STRIDE, inv_all, mask=offs < n_seg)
-    # 3. the cast of the same tiles, last read first (still in L2)
-    start = tl.zeros((), dtype=tl.int64)
-    length = tl.zeros((), dtype=tl.int64) + M
-    if SEG:
-        start = tl.load(seg_ptr + e)
-        length = end - start
-    s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True), FMAX, EPS, 1.0, POW2)
-    for i in range(0, hi - lo):
-        t = hi - 1 - i
-        rows = (t // n_kb) * T + ar
-        if SEG:
-            if (t // n_kb) * T < start:  # into an earlier segment (possibly past empty ones)
-                while (t // n_kb) * T < start:
-                    e -= 1
-                    start = tl.load(seg_ptr + e)
-                length = tl.load(seg_ptr + e + 1) - start
-                s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True),
-                                     FMAX, EPS, 1.0, POW2)
-        offs_k = (t % n_kb) * T + ar
-        mask = (rows[:, None] < M) & (offs_k[None, :] < K)
-        if DO_ROW or not DO_COL:
-            x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        if DO_ROW:
-            tl.store(row_ptr + rows[:, None] * K + offs_k[None, :], _quantize(x, s, FMAX, OUT), mask=mask)
-        if DO_COL:
-            if DO_ROW:  # the quantized tile transposed: [T(k), T(m)]
-                q = tl.trans(_quantize(x, s, FMAX, OUT))
-            else:  # column only: the tile loaded transposed
-                q = _quantize(_load_transposed(x_ptr, rows, rows, offs_k, M, K), s, FMAX, OUT)
-            # a segment's copy is [K, m_e] at offset K * start (the whole [K, M] without segments)
-            dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows[None, :] - start)
-            tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (rows[None, :] < M))
-    # 4. the last program to leave clears the sync words for the next launch
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == n_prog - 1:
-        for b in range(0, n_seg, BE):
-            offs = b + tl.arange(0, BE)
-            tl.store(amax_ptr + offs, tl.zeros([BE], dtype=tl.int32), mask=offs < n_seg)
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
+    n_tiles = tl.cdiv(M, T).to(tl.int64) * n_kb
+    lo = pid * n_tiles // n_prog  # this program's tiles: [lo, hi), row-major (k fastest), never empty
+    hi = (pid + 1) * n_tiles // n_prog
+    amax_ptr = sync_ptr + 4  # sync words: arrivals, departures, 2 unused, then one amax per segment
+    if PHASES != 2:
+        # 1. amax of this program's tiles, per segment (folded in when the tiles leave a segment)
+        e = 0
+        end = tl.zeros((), dtype=tl.int64) + M
+        if SEG:  # segments are whole row tiles (multiples of T rows)
+            e = _segment_at((lo // n_kb) * T, seg_ptr, n_seg)
+            end = tl.load(seg_ptr + e + 1)
+        acc = tl.zeros((), dtype=tl.int32)
+        for t in range(lo, hi):
+            rows = (t // n_kb) * T + ar
+            if SEG:
+                while (t // n_kb) * T >= end:
+                    tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
+                    acc = tl.zeros((), dtype=tl.int32)
+                    e += 1
+                    end = tl.load(seg_ptr + e + 1)
+            offs_k = (t % n_kb) * T + ar
+            mask = (rows[:, None] < M) & (offs_k[None, :] < K)
+            v = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+            acc = tl.maximum(acc, tl.max(tl.max(v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                                                axis=1), axis=0))
+        tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
+    if PHASES == 0:
+        # 2. every program's amaxes are in: the barrier
+        tl.atomic_add(sync_ptr, 1, sem="release")
+        while tl.atomic_add(sync_ptr, 0, sem="acquire") < n_prog:
+            pass
+    if PHASES != 1:
+        if pid == 0:  # publish every segment's scale and 1/scale
+            for b in range(0, n_seg, BE):
+                offs = b + tl.arange(0, BE)
+                a = tl.load(amax_ptr + offs, mask=offs < n_seg, other=0, volatile=True).to(tl.float32, bitcast=True)
+                s_all, inv_all = _tensor_scale(a, FMAX, EPS, 1.0, POW2)
+                tl.store(scale_ptr + offs * SCALE_STRIDE, s_all, mask=offs < n_seg)
+                tl.store(inv_ptr + offs * SCALE_STRIDE, inv_all, mask=offs < n_seg)
+        # 3. the cast of the same tiles, last read first (still in L2)
+        e = 0
+        start = tl.zeros((), dtype=tl.int64)
+        length = tl.zeros((), dtype=tl.int64) + M
+        if SEG:  # the hints keep the column copy's stores 16 bytes wide
+            e = _segment_at(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
+            start = tl.multiple_of(tl.load(seg_ptr + e), T)
+            length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
+        s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True),
+                             FMAX, EPS, 1.0, POW2)
+        for i in range(0, hi - lo):
+            t = hi - 1 - i
+            rows = (t // n_kb) * T + ar
+            if SEG:
+                if (t // n_kb) * T < start:  # into an earlier segment (possibly past empty ones)
+                    while (t // n_kb) * T < start:
+                        e -= 1
+                        start = tl.multiple_of(tl.load(seg_ptr + e), T)
+                    length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
+                    s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True),
+                                         FMAX, EPS, 1.0, POW2)
+            offs_k = (t % n_kb) * T + ar
+            mask = (rows[:, None] < M) & (offs_k[None, :] < K)
+            if DO_ROW:
+                x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                tl.store(row_ptr + rows[:, None] * K + offs_k[None, :], _quantize(x, s, FMAX, OUT), mask=mask)
+            if DO_COL:
+                if DO_ROW:  # the quantized tile transposed: [T(k), T(m)]
+                    q = tl.trans(_quantize(x, s, FMAX, OUT))
+                else:  # column only: the tile loaded transposed
+                    q = _quantize(_load_transposed(x_ptr, rows, rows, offs_k, M, K), s, FMAX, OUT)
+                # a segment's copy is [K, m_e] at offset K * start (the whole [K, M] without segments)
+                dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows[None, :] - start)
+                tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (rows[None, :] < M))
+        # 4. the last program to leave clears the sync words for the next launch; the CTA barrier
+        # first, so that none of this program's threads still reads an amax word
+        tl.debug_barrier()
+        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == n_prog - 1:
+            for b in range(0, n_seg, BE):
+                offs = b + tl.arange(0, BE)
+                tl.store(amax_ptr + offs, tl.zeros([BE], dtype=tl.int32), mask=offs < n_seg)
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
 
 
 _PERSISTENT = Launcher(_current_persistent_kernel)
-ENABLED = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "1") != "0"  # off: the two-launch cast (A/B timing)
-COOPERATIVE = os.environ.get("MEGATRON_FP8_COOPERATIVE", "1") != "0"  # a cooperative launch (see below)
-PROGRAMS_PER_SM = int(os.environ.get("MEGATRON_FP8_PERSISTENT_PER_SM", "0"))  # 0: as many as fit (at most 2)
+# Opt-in (``MEGATRON_FP8_ONE_LAUNCH_CAST=1``) until this version has run on a GPU: the version before it
+# passed the GPU suite, and this one mends what a review found in it (see the module docstring).
+ENABLED = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "0") == "1"
+# Programs per SM. Every variant is built with at most 128 registers a thread at 8 warps (``maxnreg``;
+# 4-warp variants need no cap) and uses at most 32 KB of shared memory, so two always fit on an SM;
+# the driver still checks (a cooperative launch), and a refusal (fewer SMs to this process, as
+# under MPS) drops the device to one.
+PROGRAMS_PER_SM = 2
+_MAXNREG = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _sync: dict[tuple[int, int], torch.Tensor] = {}
-_resident: dict[tuple[object, ...], int] = {}  # programs per SM that fit, per specialization
+_per_sm: dict[int, int] = {}  # devices where a launch of PROGRAMS_PER_SM per SM was refused
 _sm_count: dict[int, int] = {}
 
 
 def persistent_ok(x: torch.Tensor) -> bool:
     """Whether the one-launch cast serves ``x``: CUDA, not Triton's interpreter, ``ENABLED``
-    (``MEGATRON_FP8_ONE_LAUNCH_CAST=0`` at import turns it off)."""
+    (``MEGATRON_FP8_ONE_LAUNCH_CAST=1`` at import turns it on)."""
     return ENABLED and x.is_cuda and not _INTERPRET
+
+
+def launch_failed(error: BaseException) -> bool:
+    """Whether ``error`` says this Triton cannot build or launch the kernel (not an out-of-memory
+    error, not a caller's mistake): the cases where ``cast_current`` falls back to two launches."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    return isinstance(error, (CompilationError, OutOfResources)) or (
+        isinstance(error, RuntimeError) and str(error).startswith("Triton Error"))
 
 
 def disable(error: BaseException) -> None:
@@ -167,31 +204,18 @@ def disable(error: BaseException) -> None:
 
 
 def _sync_words(device: int, n_seg: int) -> torch.Tensor:
-    """This stream's sync words (4, then one per segment), zero between launches; grown as needed."""
+    """Zeroed sync words (4, then one per segment). In eager mode this stream's own, kept: the
+    kernel leaves them zero, and launches on one stream run one after another. While a CUDA graph
+    is captured, a new buffer per launch: its zeroing is a node of the graph, so every replay
+    starts from zero and no two graphs (captured on one stream, replayed on any) share words."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros((4 + n_seg,), dtype=torch.int32, device=torch.device("cuda", device))
     key = (device, triton.runtime.driver.active.get_current_stream(device))
     buf = _sync.get(key)
-    if buf is None or buf.numel() < 4 + n_seg:
-        buf = torch.zeros((4 + max(n_seg, 60),), dtype=torch.int32, device=torch.device("cuda", device))
+    if buf is None or buf.numel() < 4 + n_seg:  # a replaced buffer is freed in stream order: safe
+        buf = torch.zeros((4 + max(n_seg, 252),), dtype=torch.int32, device=torch.device("cuda", device))
         _sync[key] = buf
     return buf
-
-
-@functools.cache
-def _libcuda() -> Any:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _fits_per_sm(kernel: Any, num_warps: int) -> int:
-    """Programs of a compiled kernel that one SM holds at once, from the driver
-    (``cuOccupancyMaxActiveBlocksPerMultiprocessor``); 1 where that cannot be asked."""
-    try:
-        n = ctypes.c_int(0)
-        rc = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            ctypes.byref(n), ctypes.c_void_p(int(kernel.function)), ctypes.c_int(32 * num_warps),
-            ctypes.c_size_t(int(kernel.metadata.shared)))
-        return n.value if rc == 0 and n.value > 0 else 1
-    except (OSError, AttributeError, TypeError, ValueError):
-        return 1
 
 
 def cast_current_persistent(
@@ -200,12 +224,17 @@ def cast_current_persistent(
     programs: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``triton_cast.cast_current`` in one launch, same outputs and bits (``splits``: positive
-    multiples of 128 rows). ``programs``: the grid (default: as many as the GPU holds at once);
-    Triton's interpreter runs a grid of one (its programs run one after another)."""
+    multiples of 128 rows summing to the rows of ``x``; ``offsets``: their prefix sums on the
+    device). ``programs``: at most this many programs (default: ``PROGRAMS_PER_SM`` per SM; one
+    per 128x128 tile at most). Under Triton's interpreter, which runs programs one after another,
+    more than one program run as two launches (amax, then cast), without the barrier."""
     x = x.contiguous()
     m, k = x.shape
     if not m or not k:
         raise ValueError(f"cast_current_persistent: x {tuple(x.shape)} is empty (the two-launch cast serves it)")
+    if splits is not None and (offsets is None or sum(splits) != m or any(s <= 0 or s % TILE for s in splits)):
+        raise ValueError(f"cast_current_persistent: splits {splits} must be positive multiples of {TILE} "
+                         f"summing to the {m} rows of x, with their offsets")
     n_kb = cdiv(k, TILE)
     n_seg = len(splits) if splits is not None else 1
     dev = x.device
@@ -215,34 +244,31 @@ def cast_current_persistent(
     scale, inv = aligned_scalars(n_seg, dev), aligned_scalars(n_seg, dev)
     fmax, _, _, out = _fp8_consts(fp8_dtype)
     warps = cast_warps("tensor", rowwise, columnwise)
-    spec = (dev, x.dtype, fp8_dtype, rowwise, columnwise, splits is not None, warps, COOPERATIVE)
-    fits = _resident.get(spec)
     n_tiles = cdiv(m, TILE) * n_kb
-    if dev.type == "cuda":
-        device = dev.index if dev.index is not None else torch.cuda.current_device()
-        if device not in _sm_count:
-            _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sync = _sync_words(device, n_seg)
-        if programs is None:
-            programs = _sm_count[device] * (1 if fits is None else min(fits, PROGRAMS_PER_SM or 2))
-    else:  # Triton's interpreter
-        sync, programs = torch.zeros((4 + n_seg,), dtype=torch.int32, device=dev), 1
-    chunk = cdiv(n_tiles, programs)
     dummy = x
     args = (x, row if row is not None else dummy, col if col is not None else dummy, scale, inv,
-            offsets if offsets is not None else dummy, sync, m, k, n_kb, n_seg)
-    kw = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=splits is not None, FMAX=fmax, OUT=out, T=TILE,
-              EPS=float(amax_epsilon), POW2=power_2_scale, BE=128, num_warps=warps,
-              launch_cooperative_grid=COOPERATIVE)
+            offsets if offsets is not None else dummy)
+    kw: dict[str, Any] = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=splits is not None, FMAX=fmax, OUT=out,
+                              T=TILE, EPS=float(amax_epsilon), POW2=power_2_scale, BE=128, num_warps=warps)
+    if dev.type != "cuda":  # Triton's interpreter
+        sync = torch.zeros((4 + n_seg,), dtype=torch.int32, device=dev)
+        grid = min(programs or 1, n_tiles)
+        for phases in ((0,) if grid == 1 else (1, 2)):
+            _PERSISTENT((grid,), *args, sync, m, k, n_kb, n_seg, **kw, PHASES=phases)
+        return row, col, scale, inv
+    device = torch.cuda.current_device()  # where the launcher launches
+    if device not in _sm_count:
+        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    sync = _sync_words(device, n_seg)
+    kw.update(PHASES=0, launch_cooperative_grid=True, **({"maxnreg": _MAXNREG} if warps == 8 else {}))
+    default = programs is None
+    if default:
+        programs = _sm_count[device] * _per_sm.get(device, PROGRAMS_PER_SM)
     try:
-        _PERSISTENT((cdiv(n_tiles, chunk),), *args, chunk, **kw)
-    except RuntimeError as e:  # more programs than fit at once (the driver refused): one per SM
-        if "cooperative" not in str(e) or fits is None or dev.type != "cuda":
+        _PERSISTENT((min(programs, n_tiles),), *args, sync, m, k, n_kb, n_seg, **kw)
+    except RuntimeError as e:  # the driver refused a grid this large (fewer SMs to this process): one per SM
+        if not (default and "cooperative" in str(e) and _per_sm.get(device) != 1):
             raise
-        _resident[spec] = 1
-        chunk = cdiv(n_tiles, _sm_count[device])
-        _PERSISTENT((cdiv(n_tiles, chunk),), *args, chunk, **kw)
-    if fits is None:  # first launch of this specialization (one program per SM): how many fit
-        kept = _PERSISTENT.kept_last
-        _resident[spec] = _fits_per_sm(kept.kernel, warps) if kept is not None else 1
+        _per_sm[device] = 1
+        _PERSISTENT((min(_sm_count[device], n_tiles),), *args, sync, m, k, n_kb, n_seg, **kw)
     return row, col, scale, inv
