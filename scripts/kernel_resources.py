@@ -86,6 +86,8 @@ def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps
     """[registers, spill stores (bytes), stack frame (bytes), shared (bytes)] from ``ptxas -v``."""
     sig = dict(args) | {k: "constexpr" for k in const}
     options: dict[str, Any] = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
+    if fn is tp._current_persistent_kernel:  # built as it launches: capped so two programs fit an SM
+        options |= tp._register_cap(warps)
     # close to what a JIT launch on the benchmarks' shapes specializes on: 16-byte aligned
     # pointers, M, N, K divisible by 16 (without these no load or store is vectorized); the JIT
     # also marks other integer arguments divisible by 16 and turns those equal to 1 into

@@ -159,14 +159,16 @@ def test_bad_splits_are_refused() -> None:
 
 @pytest.mark.parametrize("error, falls_back", [
     (RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch"), True),
-    (RuntimeError("something else"), False),
+    (RuntimeError("PassManager::run failed"), True),
+    (KeyError("maxnreg"), True),
     (ValueError("a caller's mistake"), False),
     (torch.OutOfMemoryError("out of memory"), False),
-], ids=["launch", "runtime", "value", "oom"])
+], ids=["launch", "build", "option", "value", "oom"])
 def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where this Triton cannot build or launch the persistent kernel, ``cast_current`` warns once
-    and gives the two-launch cast (same bits) from then on; any other error reaches the caller and
-    leaves the one-launch path on; asked for explicitly, it always raises."""
+    and gives the two-launch cast (same bits) from then on; an out-of-memory error or the caller's
+    ``ValueError`` reaches the caller and leaves the one-launch path on; asked for explicitly, it
+    always raises."""
     def broken(*args: object, **kwargs: object) -> None:
         raise error
 
@@ -185,3 +187,31 @@ def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypa
         assert triton_persistent.ENABLED
     with pytest.raises(type(error)):
         triton_cast.cast_current(x, E4, True, True, one_launch=True)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("out of memory"), ValueError("bad input")],
+                         ids=["oom", "value"])
+def test_fused_guard_passes_caller_errors_on(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernels``' guard around the fused current-scaling cast re-raises an out-of-memory error
+    or a ``ValueError`` and keeps the fused cast on (any other error turns it off, with a warning)."""
+    def broken(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(triton_cast, "cast_current", broken)
+    monkeypatch.setattr(kernels._fused_current, "ok", True)
+    with pytest.raises(type(error)):
+        kernels.cast_current(_input((128, 128), None), E4, True, True, power_2_scale=False, amax_epsilon=0.0)
+    assert kernels._fused_current.ok
+
+
+def test_successive_launches_and_many_segments() -> None:
+    """Launches one after another with falling amaxes (a sync word left set by the one before
+    would raise this one's amax, and change its bits), and more segments than one 128-wide
+    block of the publish and reset loops (and, on CUDA, than the stream's first sync buffer)."""
+    for splits, k in (([128] * 130, 64), ([128] * 300, 64), (None, 640)) if GPU else (([128] * 130, 64),):
+        m = sum(splits) if splits is not None else 512
+        base = torch.randn(m, k, device=DEV).bfloat16()
+        for factor in (64.0, 8.0, 1.0, 0.125) if GPU else (1.0,):  # the interpreter: slow, and fresh words each time
+            assert _same(*_both(base * factor, E4, True, True, splits)), (splits, factor)
+    if GPU:  # no launch of this module's tests was refused (two programs per SM fit)
+        assert not triton_persistent._per_sm

@@ -288,6 +288,8 @@ class _FusedCurrentGuard:
             return None
         try:
             return run()
+        except (torch.OutOfMemoryError, ValueError):  # transient, or the caller's: not the kernel's fault
+            raise
         except Exception as e:  # noqa: BLE001 - a compiler error of any kind
             self.ok = False
             warnings.warn(f"megatron_fp8: fused current-scaling cast unavailable ({type(e).__name__}: "

@@ -23,13 +23,14 @@ keeps its own (launches on one stream run in order, kernels on two may overlap);
 graph is captured each launch gets new ones, zeroed by a node of the graph.
 
 Residency: a barrier over programs that are not all resident at once never opens. Every variant
-is built with at most 128 registers a thread at 8 warps (``maxnreg``; the variants Triton
-specializes for unaligned shapes would otherwise take 255 and fit once per SM) and uses at most
-32 KB of shared memory, so two fit on an SM, and the launch is cooperative: the driver refuses a
-grid that cannot be resident (fewer SMs to this process, as under MPS) instead of starting it,
-and the device then drops to one program per SM. Triton's interpreter runs programs one after
-another, so there a grid of several programs runs as two launches of the same kernel (amax,
-then cast: ``PHASES``), which checks the partition and the segment walks on CPU.
+is built with at most 128 registers a thread at 8 warps (``maxnreg``, from the warp count; the
+variants Triton specializes for unaligned shapes would otherwise take 255 and fit once per SM, and
+spill with the cap) and uses at most 32 KB of shared memory, so two fit on an SM; and the launch
+is cooperative: the driver refuses a grid that cannot be resident (fewer SMs to this process, as
+under MPS) instead of starting it, and the device then drops to one program per SM. Triton's
+interpreter runs programs one after another, so there a grid of several programs runs as two
+launches of the same kernel (amax, then cast: ``PHASES``), which checks the partition and the
+segment walks on CPU.
 
 Measured on an H200 (``scripts/bench_current_cast.py``, docs/benchmarks.md) for the version before
 this one, which was on by default and passed the GPU suite: a plain tensor's cast 1.27-1.31x
@@ -50,8 +51,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
 
 from ..triton_launch import Launcher, cdiv
 from .tensor import aligned_scalars
@@ -149,7 +148,7 @@ def _current_persistent_kernel(
                 else:  # column only: the tile loaded transposed
                     q = _quantize(_load_transposed(x_ptr, rows, rows, offs_k, M, K), s, FMAX, OUT)
                 # a segment's copy is [K, m_e] at offset K * start (the whole [K, M] without segments)
-                dst = start * K + offs_k[:, None].to(tl.int64) * length + (rows[None, :] - start)
+                dst = tl.multiple_of(start * K, T) + offs_k[:, None].to(tl.int64) * length + (rows[None, :] - start)
                 tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (rows[None, :] < M))
         # 4. the last program to leave clears the sync words for the next launch; the CTA barrier
         # first, so that none of this program's threads still reads an amax word
@@ -166,15 +165,20 @@ _PERSISTENT = Launcher(_current_persistent_kernel)
 # Opt-in (``MEGATRON_FP8_ONE_LAUNCH_CAST=1``) until this version has run on a GPU: the version before it
 # passed the GPU suite, and this one mends what a review found in it (see the module docstring).
 ENABLED = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "0") == "1"
-# Programs per SM. Every variant is built with at most 128 registers a thread at 8 warps (``maxnreg``;
-# 4-warp variants need no cap) and uses at most 32 KB of shared memory, so two always fit on an SM;
-# the driver still checks (a cooperative launch), and a refusal (fewer SMs to this process, as
-# under MPS) drops the device to one.
+# Programs per SM. Every variant is built with a register cap that fits this many (``_register_cap``)
+# and uses at most 32 KB of shared memory; the driver still checks (a cooperative launch), and a
+# refusal (fewer SMs to this process, as under MPS) drops the device, for that warp count, to one.
 PROGRAMS_PER_SM = 2
-_MAXNREG = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _sync: dict[tuple[int, int], torch.Tensor] = {}
-_per_sm: dict[int, int] = {}  # devices where a launch of PROGRAMS_PER_SM per SM was refused
+_per_sm: dict[tuple[int, int], int] = {}  # (device, warps) where PROGRAMS_PER_SM per SM was refused
+
+
+def _register_cap(warps: int) -> dict[str, int]:
+    """``maxnreg`` so that ``PROGRAMS_PER_SM`` programs of ``warps`` warps fit an SM's 64K
+    registers (none where 255, the most a thread can have, already fits)."""
+    cap = 65536 // (PROGRAMS_PER_SM * 32 * warps) // 8 * 8
+    return {"maxnreg": cap} if cap < 255 else {}
 _sm_count: dict[int, int] = {}
 
 
@@ -185,12 +189,11 @@ def persistent_ok(x: torch.Tensor) -> bool:
 
 
 def launch_failed(error: BaseException) -> bool:
-    """Whether ``error`` says this Triton cannot build or launch the kernel (not an out-of-memory
-    error, not a caller's mistake): the cases where ``cast_current`` falls back to two launches."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False
-    return isinstance(error, (CompilationError, OutOfResources)) or (
-        isinstance(error, RuntimeError) and str(error).startswith("Triton Error"))
+    """Whether ``cast_current`` should fall back to two launches after ``error``: anything but an
+    out-of-memory error (transient: two launches need the memory too) or a ``ValueError`` (the
+    caller's inputs), for a build or launch can fail in many ways (a Triton error, a ptxas or
+    MLIR pass failure, an option an older Triton does not know)."""
+    return not isinstance(error, (torch.OutOfMemoryError, ValueError))
 
 
 def disable(error: BaseException) -> None:
@@ -232,9 +235,13 @@ def cast_current_persistent(
     m, k = x.shape
     if not m or not k:
         raise ValueError(f"cast_current_persistent: x {tuple(x.shape)} is empty (the two-launch cast serves it)")
-    if splits is not None and (offsets is None or sum(splits) != m or any(s <= 0 or s % TILE for s in splits)):
+    if splits is not None and (sum(splits) != m or any(s <= 0 or s % TILE for s in splits) or offsets is None
+                               or offsets.shape != (len(splits) + 1,) or offsets.dtype != torch.int64
+                               or offsets.device != x.device):
         raise ValueError(f"cast_current_persistent: splits {splits} must be positive multiples of {TILE} "
-                         f"summing to the {m} rows of x, with their offsets")
+                         f"summing to the {m} rows of x, with their int64 prefix sums on x's device")
+    if programs is not None and programs < 1:
+        raise ValueError(f"cast_current_persistent: programs={programs}; give at least 1")
     n_kb = cdiv(k, TILE)
     n_seg = len(splits) if splits is not None else 1
     dev = x.device
@@ -260,15 +267,15 @@ def cast_current_persistent(
     if device not in _sm_count:
         _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
     sync = _sync_words(device, n_seg)
-    kw.update(PHASES=0, launch_cooperative_grid=True, **({"maxnreg": _MAXNREG} if warps == 8 else {}))
+    kw.update(PHASES=0, launch_cooperative_grid=True, **_register_cap(warps))
     default = programs is None
     if default:
-        programs = _sm_count[device] * _per_sm.get(device, PROGRAMS_PER_SM)
+        programs = _sm_count[device] * _per_sm.get((device, warps), PROGRAMS_PER_SM)
     try:
         _PERSISTENT((min(programs, n_tiles),), *args, sync, m, k, n_kb, n_seg, **kw)
     except RuntimeError as e:  # the driver refused a grid this large (fewer SMs to this process): one per SM
-        if not (default and "cooperative" in str(e) and _per_sm.get(device) != 1):
+        if not (default and "cooperative" in str(e) and _per_sm.get((device, warps)) != 1):
             raise
-        _per_sm[device] = 1
+        _per_sm[(device, warps)] = 1
         _PERSISTENT((min(_sm_count[device], n_tiles),), *args, sync, m, k, n_kb, n_seg, **kw)
     return row, col, scale, inv
