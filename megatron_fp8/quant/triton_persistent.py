@@ -172,6 +172,7 @@ PROGRAMS_PER_SM = 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _sync: dict[tuple[int, int], torch.Tensor] = {}
 _per_sm: dict[tuple[int, int], int] = {}  # (device, warps) where PROGRAMS_PER_SM per SM was refused
+_sm_count: dict[int, int] = {}
 
 
 def _register_cap(warps: int) -> dict[str, int]:
@@ -179,7 +180,6 @@ def _register_cap(warps: int) -> dict[str, int]:
     registers (none where 255, the most a thread can have, already fits)."""
     cap = 65536 // (PROGRAMS_PER_SM * 32 * warps) // 8 * 8
     return {"maxnreg": cap} if cap < 255 else {}
-_sm_count: dict[int, int] = {}
 
 
 def persistent_ok(x: torch.Tensor) -> bool:
