@@ -80,11 +80,16 @@ class FP8Module(nn.Module):
         """Mark a fresh cast of weight ``key`` as parameter-derived and cache it unless
         ``is_first_microbatch`` is None (no micro-batch reuse)."""
         mark_param_derived(w_q)
+        return self._cache_fp8_weight(key, w_q, is_first_microbatch)
+
+    def _cache_fp8_weight(self, key: str, value: Any, is_first_microbatch: bool | None) -> Any:
+        """Keep ``value`` under ``key`` for the next micro-batches, or drop what is kept there when
+        ``is_first_microbatch`` is None (no micro-batch reuse)."""
         if is_first_microbatch is None:
             self._w_cache.pop(key, None)
         else:
-            self._w_cache[key] = w_q
-        return w_q
+            self._w_cache[key] = value
+        return value
 
     # ---- checkpointing of FP8 state (delayed-scaling histories) ----
     def get_extra_state(self) -> torch.Tensor:

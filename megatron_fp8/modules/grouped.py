@@ -87,13 +87,8 @@ class ExpertParams:
         if seg is None or seg.rows is None or seg.cols is None:
             return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]
                     for k, q in zip(keys, qs)]
-        mark_tensors_param_derived((seg.rows.data, seg.rows.scale_inv, seg.cols.data, seg.cols.scale_inv,
-                                    *(seg.scales or ())))
-        if is_first_microbatch is None:
-            cache.pop(_ALL, None)
-        else:
-            cache[_ALL] = seg
-        return seg
+        mark_tensors_param_derived(seg.tensors())
+        return self._cache_fp8_weight(_ALL, seg, is_first_microbatch)  # type: ignore[attr-defined]
 
     def fp8_operands(
         self, is_first_microbatch: bool | None

@@ -57,8 +57,9 @@ import torch.nn.functional as F
 
 from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
+from ..quant.kernels import aligned_copy
 from ..quant.quantizers import Quantizer, Segments
-from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor, aligned_scalars
+from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
 from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
 
 __all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
@@ -185,7 +186,7 @@ def _unstash(saved: Sequence[torch.Tensor], meta: _PackMeta | ScaleLayout) -> Se
     if meta[2] is ScaleLayout.TENSOR and len(meta[0]) > 1 and scale.stride(0) != SCALE_STRIDE:
         # a saved-tensor hook that copies (CPU offload) hands back the experts' scales packed
         # together; each GEMM scale pointer must be 16-byte aligned again
-        scale = aligned_scalars(scale.numel(), scale.device).copy_(scale)
+        scale = aligned_copy(scale)
     return Operands(Pack(data, scale, *meta))
 
 

@@ -65,6 +65,11 @@ class Segments(NamedTuple):
     cols: Pack | None
     scales: Sequence[torch.Tensor] | None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds: the packs' buffers and the kept scales."""
+        packs = [p for p in (self.rows, self.cols) if p is not None]
+        return [*(t for p in packs for t in (p.data, p.scale_inv)), *(self.scales or ())]
+
 
 class Quantizer(abc.ABC):
     """Casts tensors of one role under one recipe."""
