@@ -25,7 +25,7 @@ GPU = DEV == "cuda"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(torch.uint8)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same(one: tuple[object, ...], two: tuple[object, ...]) -> bool:
@@ -165,26 +165,30 @@ def test_bad_splits_are_refused() -> None:
     (torch.OutOfMemoryError("out of memory"), False),
 ], ids=["launch", "build", "option", "value", "oom"])
 def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where this Triton cannot build or launch the persistent kernel, ``cast_current`` warns once
-    and gives the two-launch cast (same bits) from then on; an out-of-memory error or the caller's
-    ``ValueError`` reaches the caller and leaves the one-launch path on; asked for explicitly, it
-    always raises."""
+    """Where this Triton cannot build or launch the persistent kernel, the casts (``kernels``) warn
+    once and give the two-launch cast (same bits) from then on; an out-of-memory error or the
+    caller's ``ValueError`` reaches the caller and leaves the one-launch path on; asked for
+    explicitly, it always raises."""
     def broken(*args: object, **kwargs: object) -> None:
         raise error
 
     monkeypatch.setattr(triton_persistent, "cast_current_persistent", broken)
-    monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: triton_persistent.ENABLED)
-    monkeypatch.setattr(triton_persistent, "ENABLED", True)
+    monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: True)
+    monkeypatch.setattr(kernels._one_launch, "ok", True)
     x = _input((256, 256), None)
     want = triton_cast.cast_current(x, E4, True, True, one_launch=False)
+
+    def cast() -> object:
+        return kernels.cast_current(x, E4, True, True, power_2_scale=False, amax_epsilon=0.0)
+
     if falls_back:
         with pytest.warns(RuntimeWarning, match="one-launch current-scaling cast unavailable"):
-            got = triton_cast.cast_current(x, E4, True, True)
-        assert _same(got, want) and not triton_persistent.ENABLED
+            got = cast()
+        assert _same(got, want) and not kernels._one_launch.ok
     else:
         with pytest.raises(type(error)):
-            triton_cast.cast_current(x, E4, True, True)
-        assert triton_persistent.ENABLED
+            cast()
+        assert kernels._one_launch.ok
     with pytest.raises(type(error)):
         triton_cast.cast_current(x, E4, True, True, one_launch=True)
 

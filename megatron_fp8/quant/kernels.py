@@ -4,10 +4,11 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 ``triton`` | ``compile`` | ``eager`` pins one):
 
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
-  Used for tensorwise casts (current scaling: amax, scale and cast in one persistent launch,
-  ``triton_persistent.py``; with a given scale, one launch), for power-of-two 1x128 / 128x128
-  block casts without an amax epsilon (the defaults), and for the one-launch casts of all
-  experts of a grouped layer (``*_segments``).
+  Used for tensorwise casts (current scaling: amax partials, then a cast that computes the
+  scale, two launches, or one with the opt-in persistent cast of ``triton_persistent.py``; with a
+  given scale, one launch), for power-of-two 1x128 / 128x128 block casts without an amax epsilon
+  (the defaults), and for the one-launch casts of all experts of a grouped layer
+  (``*_segments``).
 * ``compile``: ``torch.compile`` of the reference functions below (block options the kernels
   do not cover; MXFP8 only when forced, since SM90 emulates its GEMMs anyway).
 * ``eager``: the reference itself.
@@ -263,56 +264,70 @@ CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torc
 
 def cast_current(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool,
                  amax_epsilon: float) -> CurrentCast | None:
-    """Current scaling (amax, scale, cast) in one launch (two where ``triton_persistent`` does not
-    run): ``(row, col, scale, 1/scale)``, or None where that does not apply (off the kernels'
-    device, FP32 with a columnwise copy, empty)."""
+    """Current scaling (amax, scale, cast; ``_current_launches``): ``(row, col, scale, 1/scale)``,
+    or None where that does not apply (off the kernels' device, FP32 with a columnwise copy,
+    empty)."""
     if not segments_fused(x, columnwise) or x.numel() == 0:
         return None
-    out = _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
-                                                        amax_epsilon=amax_epsilon))
+    out = _current_launches(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     if out is None:
         return None
     row, col, s, inv = out
     return row, col, s.view(()), inv.view(())
 
 
-class _FusedCurrentGuard:
-    """The fused current-scaling kernel (scale computed in the cast) is newer than the other
-    kernels: if this Triton fails to build it, warn once and keep the three-launch path (the
-    GPU tests call it directly and fail loudly)."""
+class _KernelGuard:
+    """A newer kernel path over an older one: if this Triton fails to build or launch it, warn
+    once and let the caller take the older path from then on (the GPU tests call each path
+    directly and fail loudly). An out-of-memory error (transient: the older path needs the memory
+    too) or a ``ValueError`` (the caller's inputs) reaches the caller and leaves the path on."""
 
-    ok = True
+    def __init__(self, what: str, fallback: str) -> None:
+        self.what, self.fallback, self.ok = what, fallback, True
 
     def __call__(self, run: Callable[[], Any]) -> Any:
         if not self.ok:
             return None
         try:
             return run()
-        except (torch.OutOfMemoryError, ValueError):  # transient, or the caller's: not the kernel's fault
+        except (torch.OutOfMemoryError, ValueError):
             raise
-        except Exception as e:  # noqa: BLE001 - a compiler error of any kind
+        except Exception as e:  # noqa: BLE001 - a build or launch failure of any kind
             self.ok = False
-            warnings.warn(f"megatron_fp8: fused current-scaling cast unavailable ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); using amax, scale and cast launches",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(f"megatron_fp8: {self.what} unavailable ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); using {self.fallback}",
+                          RuntimeWarning, stacklevel=4)
             return None
 
 
-_fused_current = _FusedCurrentGuard()
+# the fused current-scaling cast (scale computed in the cast) over amax, scale and cast launches;
+# the one-launch (persistent) cast over the fused one
+_fused_current = _KernelGuard("fused current-scaling cast", "amax, scale and cast launches")
+_one_launch = _KernelGuard("one-launch current-scaling cast", "two launches")
+
+
+def _current_launches(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool,
+                      **kw: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
+    """``triton_cast.cast_current``: in one launch where ``triton_persistent`` runs (opt-in) and
+    builds here, else in two; None where neither builds."""
+    t = _triton()
+    if t.one_launch_ok(x):
+        out = _one_launch(lambda: t.cast_current(x, dtype, rowwise, columnwise, one_launch=True, **kw))
+        if out is not None:
+            return out
+    return _fused_current(lambda: t.cast_current(x, dtype, rowwise, columnwise, one_launch=False, **kw))
 
 
 def cast_current_segments(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
                           columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-    """``cast_current`` of every segment in one launch (or two, as above): the raw ``row [M, K]`` / flat
-    ``col [K * M]`` buffers (``quant.tensor.Pack`` views them per segment) and per-segment scales
-    ``[E]``, 16 bytes apart; or None where that does not apply (also: a split zero or not a
-    multiple of 128)."""
+    """``cast_current`` of every segment: the raw ``row [M, K]`` / flat ``col [K * M]`` buffers
+    (``quant.tensor.Pack`` views them per segment) and per-segment scales ``[E]``, 16 bytes apart;
+    or None where that does not apply (also: a split zero or not a multiple of 128)."""
     if not segments_fused(x, columnwise) or any(m <= 0 or m % 128 for m in splits):
         return None
-    return _fused_current(lambda: _triton().cast_current(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale,
-                                                         amax_epsilon=amax_epsilon, splits=list(splits),
-                                                         offsets=segment_offsets(splits, x.device)))
+    return _current_launches(x, dtype, rowwise, columnwise, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+                             splits=list(splits), offsets=segment_offsets(splits, x.device))
 
 
 def aligned_copy(t: torch.Tensor) -> torch.Tensor:

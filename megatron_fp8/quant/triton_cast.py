@@ -35,8 +35,8 @@ to FP32 is the correctly rounded FP32 result for a division).
 Current scaling without a group reduction (``cast_current``) takes two launches here (one with
 the opt-in persistent cast of ``triton_persistent.py``): the amax kernel leaves one partial per
 program, and every cast program reduces its tensor's (or segment's) partials and computes the
-scale itself; the first program of each segment publishes scale and 1/scale. Launches, not bandwidth, bound the small
-casts (see ``triton_launch.Launcher``).
+scale itself; the first program of each segment publishes scale and 1/scale. Launches, not
+bandwidth, bound the small casts (see ``triton_launch.Launcher``).
 
 The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
 come from the exponent and mantissa bits of the amax (no division), values are multiplied by
@@ -386,6 +386,17 @@ def cast_warps(mode: str, rowwise: bool, columnwise: bool, transposed_load: bool
     return 4 if column_only and (mode == "1x128" or (mode == "tensor" and transposed_load)) else 8
 
 
+def fp8_copies(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, segmented: bool
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The FP8 copies a cast of ``x [M, K]`` writes (None where not asked for): rowwise ``[M, K]``;
+    columnwise ``[K, M]``, or with segments flat ``[K * M]`` (segment e's ``[K, m_e]`` at
+    ``K * start_e``)."""
+    m, k = x.shape
+    row = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
+    col = torch.empty((k * m,) if segmented else (k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    return row, col
+
+
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
             fused: _Fused | None = None,
@@ -394,8 +405,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     m, k = x.shape
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
-    row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
-    col = torch.empty((k * m,) if offsets is not None else (k, m), dtype=fp8_dtype, device=dev) if columnwise else None
+    row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, offsets is not None)
     row_s = col_s = None
     if mode == "1x128":
         row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
@@ -452,20 +462,12 @@ def cast_current(
     """Current scaling: ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
     ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment: the
     raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment, and
-    ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. One launch where ``one_launch`` is True, or
-    None and ``triton_persistent.persistent_ok`` (the persistent cast; if this Triton cannot build
-    or launch it, a warning and two launches from then on); otherwise two launches: amax partials,
-    then the cast, whose programs turn them into the scale."""
-    persistent = _persistent()
-    if x.numel() and (one_launch or (one_launch is None and persistent.persistent_ok(x))):
-        try:
-            return persistent.cast_current_persistent(x, fp8_dtype, rowwise, columnwise,
-                                                      power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
-                                                      splits=splits, offsets=offsets)
-        except Exception as e:
-            if one_launch or not persistent.launch_failed(e):
-                raise
-            persistent.disable(e)
+    ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. In one launch (the persistent cast of
+    ``triton_persistent``) where ``one_launch`` is True, or None and ``one_launch_ok(x)``;
+    otherwise two: amax partials, then the cast, whose programs turn them into the scale."""
+    if x.numel() and (one_launch or (one_launch is None and one_launch_ok(x))):
+        return _persistent().cast_current_persistent(x, fp8_dtype, rowwise, columnwise, power_2_scale=power_2_scale,
+                                                     amax_epsilon=amax_epsilon, splits=splits, offsets=offsets)
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=True)
     n_seg = len(splits) if splits is not None else 1
@@ -481,6 +483,11 @@ def _persistent() -> Any:
     from . import triton_persistent  # imports this module
 
     return triton_persistent
+
+
+def one_launch_ok(x: torch.Tensor) -> bool:
+    """Whether the one-launch cast serves ``x`` here (``triton_persistent.persistent_ok``)."""
+    return _persistent().persistent_ok(x)
 
 
 def amax_and_scale(

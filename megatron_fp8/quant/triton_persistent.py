@@ -45,7 +45,6 @@ it is opt-in: ``MEGATRON_FP8_ONE_LAUNCH_CAST=1``.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -54,16 +53,17 @@ import triton.language as tl
 
 from ..triton_launch import Launcher, cdiv
 from .tensor import aligned_scalars
-from .triton_cast import SCALE_STRIDE, TILE, _fp8_consts, _load_transposed, _quantize, _tensor_scale, cast_warps
-
-
-@triton.jit
-def _segment_at(row, seg_ptr, n_seg):
-    """Index of the segment holding ``row`` (``offsets[e] <= row < offsets[e + 1]``)."""
-    e = 0
-    for j in range(1, n_seg):
-        e += (row >= tl.load(seg_ptr + j)).to(tl.int32)
-    return e
+from .triton_cast import (
+    SCALE_STRIDE,
+    TILE,
+    _fp8_consts,
+    _load_transposed,
+    _quantize,
+    _segment_of,
+    _tensor_scale,
+    cast_warps,
+    fp8_copies,
+)
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _current_persistent_kernel(
         e = 0
         end = tl.zeros((), dtype=tl.int64) + M
         if SEG:  # segments are whole row tiles (multiples of T rows)
-            e = _segment_at((lo // n_kb) * T, seg_ptr, n_seg)
+            e = _segment_of((lo // n_kb) * T, seg_ptr, n_seg)
             end = tl.load(seg_ptr + e + 1)
         acc = tl.zeros((), dtype=tl.int32)
         for t in range(lo, hi):
@@ -121,7 +121,7 @@ def _current_persistent_kernel(
         start = tl.zeros((), dtype=tl.int64)
         length = tl.zeros((), dtype=tl.int64) + M
         if SEG:  # the hints keep the column copy's stores 16 bytes wide
-            e = _segment_at(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
+            e = _segment_of(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
             start = tl.multiple_of(tl.load(seg_ptr + e), T)
             length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
         s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True),
@@ -188,24 +188,6 @@ def persistent_ok(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and not _INTERPRET
 
 
-def launch_failed(error: BaseException) -> bool:
-    """Whether ``cast_current`` should fall back to two launches after ``error``: anything but an
-    out-of-memory error (transient: two launches need the memory too) or a ``ValueError`` (the
-    caller's inputs), for a build or launch can fail in many ways (a Triton error, a ptxas or
-    MLIR pass failure, an option an older Triton does not know)."""
-    return not isinstance(error, (torch.OutOfMemoryError, ValueError))
-
-
-def disable(error: BaseException) -> None:
-    """Turn the one-launch cast off for this process, with one warning (``cast_current`` falls
-    back to its two launches when this Triton cannot build or launch the persistent kernel)."""
-    global ENABLED
-    ENABLED = False
-    warnings.warn(f"megatron_fp8: one-launch current-scaling cast unavailable ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0] if str(error) else ''}); using two launches", RuntimeWarning,
-                  stacklevel=3)
-
-
 def _sync_words(device: int, n_seg: int) -> torch.Tensor:
     """Zeroed sync words (4, then one per segment). In eager mode this stream's own, kept: the
     kernel leaves them zero, and launches on one stream run one after another. While a CUDA graph
@@ -245,9 +227,7 @@ def cast_current_persistent(
     n_kb = cdiv(k, TILE)
     n_seg = len(splits) if splits is not None else 1
     dev = x.device
-    row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
-    col = (torch.empty((k * m,) if splits is not None else (k, m), dtype=fp8_dtype, device=dev)
-           if columnwise else None)
+    row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, splits is not None)
     scale, inv = aligned_scalars(n_seg, dev), aligned_scalars(n_seg, dev)
     fmax, _, _, out = _fp8_consts(fp8_dtype)
     warps = cast_warps("tensor", rowwise, columnwise)
