@@ -16,10 +16,11 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
     tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py tests/test_persistent_cast.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    # the opt-in one-launch current-scaling cast: its tests, then the GPU suite with it on (a hang
-    # would be a barrier bug: the timeouts end it), then its timing against the two-launch cast
+    # the one-launch current-scaling cast (the default): its tests, then the GPU suite with it off
+    # (the two-launch fallback; a hang would be a barrier bug: the timeouts end it), then its
+    # timing against the two-launch cast
     persistent) timeout 300 python3 -m pytest -q -x -p no:logging tests/test_persistent_cast.py 2>&1 | tee "$OUT/persistent_tests.log"
-      MEGATRON_FP8_ONE_LAUNCH_CAST=1 timeout 420 python3 -m pytest -q -p no:logging tests/test_*gpu*.py tests/test_grouped.py 2>&1 | tee "$OUT/gpu_tests_one_launch.log"
+      MEGATRON_FP8_ONE_LAUNCH_CAST=0 timeout 420 python3 -m pytest -q -p no:logging tests/test_*gpu*.py tests/test_grouped.py 2>&1 | tee "$OUT/gpu_tests_two_launch.log"
       timeout 200 python3 scripts/bench_current_cast.py 2>&1 | tee "$OUT/bench_current_cast.log" ;;
     gemm) python3 scripts/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" ;;
     linear) python3 scripts/bench_linear.py ${LINEAR_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;

@@ -4,8 +4,8 @@ Backends on CUDA, in order of preference (``MEGATRON_FP8_CAST_BACKEND`` = ``auto
 ``triton`` | ``compile`` | ``eager`` pins one):
 
 * ``triton``: ``triton_cast.py``, one pass over the input writes both copies and their scales.
-  Used for tensorwise casts (current scaling: amax partials, then a cast that computes the
-  scale, two launches, or one with the opt-in persistent cast of ``triton_persistent.py``; with a
+  Used for tensorwise casts (current scaling: one launch of the persistent cast of
+  ``triton_persistent.py``, else amax partials, then a cast that computes the scale; with a
   given scale, one launch), for power-of-two 1x128 / 128x128 block casts without an amax epsilon
   (the defaults), and for the one-launch casts of all experts of a grouped layer
   (``*_segments``).
@@ -308,7 +308,7 @@ _one_launch = _KernelGuard("one-launch current-scaling cast", "two launches")
 
 def _current_launches(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool,
                       **kw: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
-    """``triton_cast.cast_current``: in one launch where ``triton_persistent`` runs (opt-in) and
+    """``triton_cast.cast_current``: in one launch where ``triton_persistent`` runs (the default) and
     builds here, else in two; None where neither builds."""
     t = _triton()
     if t.one_launch_ok(x):
