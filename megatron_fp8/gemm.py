@@ -26,6 +26,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +263,8 @@ def emulate(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
 
 
-def _record(name: str, backend: Backend, a: Operand, b: Operand, mnk: tuple[int, int, int]) -> None:
+def _record(name: str, backend: Backend, a: Operand | _First, b: Operand | _First,
+            mnk: tuple[int, int, int]) -> None:
     """Tell every open ``record_gemms()`` which GEMM ran on which backend."""
     for calls in _state.records:
         calls.append(GemmCall(name, backend, (a.layout, b.layout), mnk))
@@ -506,10 +508,13 @@ def _one_buffer(ops: Sequence[Operand], splits: Sequence[int], starts: Sequence[
     return back_to_back([o.data for o in ops]) and _scales_laid_out(ops, starts, kind, width), None
 
 
-def _buffers(op0: Operand, pack: Pack | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _buffers(ops: Sequence[Operand], pack: Pack | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The data and scale buffers a grouped kernel indexes every expert from: a pack's own, else
     views from where the first expert's lie (``_base``)."""
-    return (pack.data, pack.scale_inv) if pack is not None else (_base(op0.data), _base(op0.scale_inv))
+    if pack is not None:
+        return pack.data, pack.scale_inv
+    op0 = ops[0]
+    return _base(op0.data), _base(op0.scale_inv)
 
 
 def _sizes(ops: Sequence[Operand], dim: int) -> list[int]:
@@ -527,7 +532,26 @@ def _same_shapes(ops: Sequence[Operand]) -> bool:
     return all(o.shape == s0 for o in ops)
 
 
-def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: Operand, b0: Operand,
+class _First(NamedTuple):
+    """What a grouped GEMM reads of its operands' first expert: shape, layout and device."""
+
+    shape: tuple[int, int]
+    layout: ScaleLayout
+    device: torch.device
+
+
+def _first(ops: Sequence[Operand]) -> _First:
+    """``_First`` of ``ops[0]``; from the pack where ``ops`` are its lazy ``Operands`` (indexing
+    them would make the expert's views: ~10 us of host time per operand in a grouped step)."""
+    if isinstance(ops, Operands):
+        p = ops.pack
+        m = p.splits[0]
+        return _First((p.width, m) if p.columnwise else (m, p.width), p.layout, p.data.device)
+    op = ops[0]
+    return _First(tuple(op.shape), op.layout, op.data.device)
+
+
+def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: _First, b0: _First,
                            out_dtype: torch.dtype, splits: Sequence[int], blocked: bool, kinds: tuple[str, str],
                            widths: tuple[int, int]) -> tuple[list[int], Pack | None, Pack | None] | None:
     """The experts' first rows (tokens) where a one-launch Triton grouped GEMM may take the
@@ -535,7 +559,7 @@ def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: Opera
     Triton here, an output dtype it writes, tensorwise operands or the block pair the caller
     checked, every split a multiple of 128 and each operand's experts in one buffer, laid out as
     ``kinds`` (``_one_buffer``), with their packs (None: not one). None otherwise."""
-    dev = a0.data.device
+    dev = a0.device
     if not (len(a) > 1 and _grouped_backend(dev) in ("auto", "triton") and _triton_grouped_here(dev)
             and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
             and (blocked or a0.layout is b0.layout is L.TENSOR) and not any(s % 128 for s in splits)):
@@ -551,7 +575,7 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     """``cat_i(a_i @ b_i.T)`` in one Triton launch (``triton_grouped.grouped_rows``) where the
     operands are laid out for it (``_triton_grouped_starts``; every expert's weight the same shape;
     tensorwise, any FP8 pair, or 1x128 x 128x128 scales). None otherwise."""
-    a0, b0 = a[0], b[0]
+    a0, b0 = _first(a), _first(b)
     (_, k), (n, _) = a0.shape, b0.shape
     splits = _sizes(a, 0)
     blocked = a0.layout is L.BLOCK_1x128 and b0.layout is L.BLOCK_128x128
@@ -565,10 +589,10 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
 
     m, g = sum(splits), len(a)
     _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (m, n, k))
-    (a_buf, sa), (b_buf, sb) = _buffers(a0, got[1]), _buffers(b0, got[2])
+    (a_buf, sa), (b_buf, sb) = _buffers(a, got[1]), _buffers(b, got[2])
     a_all = a_buf if a_buf.shape == (m, k) else a_buf.as_strided((m, k), (k, 1))
     b_all = b_buf.as_strided((g, n, k), (n * k, k, 1))
-    return triton_grouped.grouped_rows(a_all, b_all, sa, sb, segment_offsets(splits, a0.data.device), out_dtype,
+    return triton_grouped.grouped_rows(a_all, b_all, sa, sb, segment_offsets(splits, a0.device), out_dtype,
                                        blocked=blocked, fast_accum=fast_accum)
 
 
@@ -582,7 +606,7 @@ def grouped_wgrad(
     """``[a_i @ b_i.T]`` for wgrad operands (``a_i [N, m_i]``, ``b_i [K, m_i]``, contracted over
     each expert's tokens): one Triton launch (``triton_grouped.grouped_kgroup``) where they are
     laid out for it, else ``grouped_gemm``."""
-    a0, b0 = a[0], b[0]
+    a0, b0 = _first(a), _first(b)
     (n, _), (k, _) = a0.shape, b0.shape
     splits = _sizes(a, 1)
     blocked = a0.layout is b0.layout is L.BLOCK_1x128
@@ -593,8 +617,8 @@ def grouped_wgrad(
     from .quant.kernels import segment_offsets
 
     _record(f"{name}[triton]", Backend.NATIVE, a0, b0, (n, k, sum(splits)))
-    (a_buf, sa), (b_buf, sb) = _buffers(a0, got[1]), _buffers(b0, got[2])
-    out = triton_grouped.grouped_kgroup(a_buf, b_buf, sa, sb, segment_offsets(splits, a0.data.device), n, k,
+    (a_buf, sa), (b_buf, sb) = _buffers(a, got[1]), _buffers(b, got[2])
+    out = triton_grouped.grouped_kgroup(a_buf, b_buf, sa, sb, segment_offsets(splits, a0.device), n, k,
                                         out_dtype, blocked=blocked)
     return list(out.unbind(0))
 
