@@ -2,7 +2,10 @@
 duration and the idle gap before it, from a ``torch.profiler`` trace. Answers "the kernels add
 0.1 ms but the step grows 0.5 ms: where does the GPU wait?".
 
-    python scripts/trace_step.py [--cases linear-k14336 linear-k2048 grouped] [--out DIR]
+    python scripts/trace_step.py [--cases linear-k14336 linear-k2048 grouped grouped-graphed] [--out DIR]
+
+``grouped-graphed`` profiles one replay of the step captured in a CUDA graph (as
+``bench_grouped.py``'s graphed rows run it): the gaps there are the device's own, not the host's.
 
 Writes one Chrome trace per case under ``--out`` (open in Perfetto) and prints, per case, the
 kernel sequence of one profiled step (after three warm-up steps) and totals (span, busy, idle).
@@ -22,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_fp8 import Linear
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import capture_step
 
 
 def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[], None]:
@@ -37,6 +41,23 @@ def _grouped_step(recipe: str, k: int = 4096, n: int = 2048) -> Callable[[], Non
     dy = torch.randn(sum(splits), n, device="cuda", dtype=torch.bfloat16) * 1e-3
     layer = GroupedLinear(8, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
     return train_step(layer, x, dy, PRESETS[recipe], splits)
+
+
+def _graphed(step: Callable[[], None], grouped_gemm: str | None = None) -> Callable[[], None]:
+    """``step`` captured in a CUDA graph (``MEGATRON_FP8_GROUPED_GEMM=grouped_gemm`` while
+    capturing, where given); returns its replay."""
+    old = os.environ.get("MEGATRON_FP8_GROUPED_GEMM")
+    if grouped_gemm is not None:
+        os.environ["MEGATRON_FP8_GROUPED_GEMM"] = grouped_gemm
+    try:
+        graph, _ = capture_step(step)
+    finally:
+        if grouped_gemm is not None:
+            if old is None:
+                del os.environ["MEGATRON_FP8_GROUPED_GEMM"]
+            else:
+                os.environ["MEGATRON_FP8_GROUPED_GEMM"] = old
+    return graph.replay
 
 
 def _device_events(path: str) -> list[tuple[str, float, float]]:
@@ -79,6 +100,12 @@ CASES = {
     "grouped": lambda: {f"grouped_{r}": _grouped_step(r) for r in ("current", "blockwise")},
     "grouped-n7168": lambda: {f"grouped_k2048_n7168_{r}": _grouped_step(r, 2048, 7168)
                               for r in ("current", "blockwise")},
+    "grouped-graphed": lambda: {
+        "grouped_current_graphed": _graphed(_grouped_step("current")),
+        "grouped_current_graphed_torch": _graphed(_grouped_step("current"), "torch"),
+        "grouped_blockwise_graphed": _graphed(_grouped_step("blockwise")),
+        "grouped_k2048_n7168_current_graphed": _graphed(_grouped_step("current", 2048, 7168)),
+    },
 }
 
 
