@@ -57,7 +57,8 @@ def _graphed(step: Callable[[], None], grouped_gemm: str | None = None) -> Calla
                 del os.environ["MEGATRON_FP8_GROUPED_GEMM"]
             else:
                 os.environ["MEGATRON_FP8_GROUPED_GEMM"] = old
-    return graph.replay
+    keep = (graph, step)  # the graph reads the step's tensors (its layer, x, dy): they live as long as it
+    return lambda: keep[0].replay()
 
 
 def _device_events(path: str) -> list[tuple[str, float, float]]:
