@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|gemm|linear|grouped|casts|steps|probe|tgemm|trace]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|casts|steps|probe|tgemm|trace]...
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,6 +22,10 @@ for what in "${steps[@]}"; do
     persistent) timeout 300 python3 -m pytest -q -x -p no:logging tests/test_persistent_cast.py 2>&1 | tee "$OUT/persistent_tests.log"
       MEGATRON_FP8_ONE_LAUNCH_CAST=0 timeout 420 python3 -m pytest -q -p no:logging tests/test_*gpu*.py tests/test_grouped.py 2>&1 | tee "$OUT/gpu_tests_two_launch.log"
       timeout 200 python3 scripts/bench_current_cast.py 2>&1 | tee "$OUT/bench_current_cast.log" ;;
+    # CUDA graphs: the capture/replay tests (several layers' graphs replayed after all captures),
+    # then where a graphed grouped step's time goes (kernels and the gaps between them)
+    graphs) timeout 300 python3 -m pytest -q -p no:logging tests/test_cuda_graph_gpu.py 2>&1 | tee "$OUT/graph_tests.log"
+      (cd scripts && timeout 200 python3 trace_step.py --cases grouped-graphed --out /tmp/traces) 2>&1 | tee "$OUT/trace_graphed.log" ;;
     gemm) python3 scripts/bench_gemm.py --out "$OUT" 2>&1 | tee "$OUT/bench_gemm.log" ;;
     linear) python3 scripts/bench_linear.py ${LINEAR_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
     grouped) python3 scripts/bench_grouped.py ${GROUPED_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
