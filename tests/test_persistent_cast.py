@@ -219,3 +219,19 @@ def test_successive_launches_and_many_segments() -> None:
             assert _same(*_both(base * factor, E4, True, True, splits)), (splits, factor)
     if GPU:  # no launch of this module's tests was refused (two programs per SM fit)
         assert not triton_persistent._per_sm
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), (" 0 ", False),
+                                            ("false", None), ("on", None)])
+def test_env_switch(value: str | None, enabled: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_ONE_LAUNCH_CAST``: on by default, ``0`` turns it off; a value that is neither
+    is an error naming the variable and what it takes, not a silent guess."""
+    if value is None:
+        monkeypatch.delenv("MEGATRON_FP8_ONE_LAUNCH_CAST", raising=False)
+    else:
+        monkeypatch.setenv("MEGATRON_FP8_ONE_LAUNCH_CAST", value)
+    if enabled is None:
+        with pytest.raises(ValueError, match=r"MEGATRON_FP8_ONE_LAUNCH_CAST=.*allowed: '1'.*'0'"):
+            triton_persistent.enabled_from_env()
+    else:
+        assert triton_persistent.enabled_from_env() is enabled

@@ -160,8 +160,19 @@ def _current_persistent_kernel(
 
 
 _PERSISTENT = Launcher(_current_persistent_kernel)
-# On unless ``MEGATRON_FP8_ONE_LAUNCH_CAST=0`` at import (the two-launch cast then serves every tensor).
-ENABLED = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "1") != "0"
+
+
+def enabled_from_env() -> bool:
+    """``MEGATRON_FP8_ONE_LAUNCH_CAST``: ``1`` (the default) or ``0`` (the two-launch cast serves
+    every tensor); anything else is an error rather than a guess."""
+    v = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MEGATRON_FP8_ONE_LAUNCH_CAST={v!r}; allowed: '1' (one-launch current-scaling "
+                         f"casts, the default) or '0' (two launches each)")
+    return v == "1"
+
+
+ENABLED = enabled_from_env()  # read once, at import
 # Programs per SM. Every variant is built with a register cap that fits this many (``_register_cap``)
 # and uses at most 32 KB of shared memory; the driver still checks (a cooperative launch), and a
 # refusal (fewer SMs to this process, as under MPS) drops the device, for that warp count, to one.
