@@ -548,7 +548,7 @@ def _first(ops: Sequence[Operand]) -> _First:
         m = p.splits[0]
         return _First((p.width, m) if p.columnwise else (m, p.width), p.layout, p.data.device)
     op = ops[0]
-    return _First(tuple(op.shape), op.layout, op.data.device)
+    return _First((op.shape[0], op.shape[1]), op.layout, op.data.device)
 
 
 def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: _First, b0: _First,

@@ -72,8 +72,9 @@ def capture_step(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUD
     (its tensors, like the inputs' ``.grad``, are the graph's static outputs: each ``replay()``
     rewrites them). Inputs must be static tensors the caller refills with ``copy_``, and the
     caller keeps ``step``'s tensors (its module's parameters, its inputs) alive as long as it
-    replays the graph: the graph reads their memory, and ``torch.cuda.graph`` returns freed memory
-    to the driver when the next capture begins (a replay then faults)."""
+    replays the graph: the graph reads their memory, and freed memory is handed to other tensors,
+    or returned to the driver when the next ``torch.cuda.graph`` capture begins (a replay then
+    reads and writes others' memory, or faults)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

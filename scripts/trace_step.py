@@ -102,10 +102,10 @@ CASES = {
     "grouped-n7168": lambda: {f"grouped_k2048_n7168_{r}": _grouped_step(r, 2048, 7168)
                               for r in ("current", "blockwise")},
     "grouped-graphed": lambda: {
-        "grouped_current_graphed": _graphed(_grouped_step("current")),
+        "grouped_current_graphed": _graphed(_grouped_step("current"), "auto"),
         "grouped_current_graphed_torch": _graphed(_grouped_step("current"), "torch"),
-        "grouped_blockwise_graphed": _graphed(_grouped_step("blockwise")),
-        "grouped_k2048_n7168_current_graphed": _graphed(_grouped_step("current", 2048, 7168)),
+        "grouped_blockwise_graphed": _graphed(_grouped_step("blockwise"), "auto"),
+        "grouped_k2048_n7168_current_graphed": _graphed(_grouped_step("current", 2048, 7168), "auto"),
     },
 }
 

@@ -127,19 +127,26 @@ def test_grouped_capture_in_a_fresh_process() -> None:
     assert run.returncode == 0 and "captured and replayed" in run.stdout, run.stderr[-3000:]
 
 
+@pytest.mark.parametrize("path", ["auto", "torch"])
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
-def test_graphs_replay_after_later_captures(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graphs_replay_after_later_captures(recipe: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Megatron captures one graph per layer and replays them all every step: a graph must still
     replay, bitwise, after later captures (``torch.cuda.graph`` empties the device and pinned-host
-    allocator caches on entry, so memory a graph uses but nobody holds would be gone by then)."""
-    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "auto")
+    allocator caches on entry, so memory a graph uses but nobody holds would be gone by then) and
+    after eager steps of other token splits (which evict cached expert offsets, ``kernels.
+    segment_offsets``, but not those a graph captured)."""
+    from megatron_fp8.quant import kernels
+
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", path)
     kinds = ["grouped", "linear", "grouped"]
     xs = [torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_() for _ in kinds]
     dys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16).normal_() for _ in kinds]
     # the steps (their layers) stay alive with their graphs: a graph reads their weights' memory
     steps = [_stepper(_module(kind, False), kind, PRESETS[recipe], x, dy) for kind, x, dy in zip(kinds, xs, dys)]
     captured = [capture_step(step) for step in steps]
-    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")  # the captured kernels, eagerly
+    for i in range(kernels._OFFSETS_KEPT + 1):  # other splits evict the eager offsets cache
+        kernels.segment_offsets([128 * (i + 1), 128], torch.device("cuda"))
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop" if path == "auto" else path)  # the captured kernels
     for seed in (1, 2):
         for i, (kind, (graph, outs)) in enumerate(zip(kinds, captured)):
             g = torch.Generator(device="cuda").manual_seed(seed * 10 + i)
@@ -150,5 +157,5 @@ def test_graphs_replay_after_later_captures(recipe: str, monkeypatch: pytest.Mon
             dys[i].copy_(dy_new)
             graph.replay()
             want = _stepper(_module(kind, False), kind, PRESETS[recipe], x_new.clone().requires_grad_(), dy_new)()
-            for j, (got, ref) in enumerate(zip(outs, want)):
-                assert torch.equal(got, ref), f"graph {i} ({kind}, {recipe}), data {seed}: output {j} differs"
+            for j, (got, ref) in enumerate(zip(outs, want, strict=True)):
+                assert torch.equal(got, ref), f"graph {i} ({kind}, {recipe}, {path}), data {seed}: output {j} differs"

@@ -426,6 +426,27 @@ def test_segment_offsets_cached_and_bounded() -> None:
     assert kernels.segment_offsets([3, 0, 5], torch.device("cpu")) is not first  # evicted, rebuilt
 
 
+def test_segment_offsets_kept_for_captured_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offsets a CUDA graph captured outlive any eviction (the graph may replay at any time), and
+    those a capture created (written only when the graph replays) are handed to no one else."""
+    from megatron_fp8.quant import kernels
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kernels, "_offsets_held", {})
+    monkeypatch.setattr(kernels, "_offsets_captured", [])
+    eager = kernels.segment_offsets([128, 256], cpu)  # made eagerly, then used by a capture
+    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    assert kernels.segment_offsets([128, 256], cpu) is eager
+    in_capture = kernels.segment_offsets([384, 128], cpu)  # first made inside a capture
+    monkeypatch.setattr(kernels, "_capturing", lambda device: False)
+    for i in range(kernels._OFFSETS_KEPT + 1):  # evicts every eager entry
+        kernels.segment_offsets([i + 1000], cpu)
+    assert kernels.segment_offsets([128, 256], cpu) is eager  # held: never evicted
+    again = kernels.segment_offsets([384, 128], cpu)
+    assert again is not in_capture and again.tolist() == [0, 384, 512]  # eager callers get their own
+    assert any(entry[1] is in_capture for entry in kernels._offsets_captured)  # kept for the graph
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])

@@ -216,7 +216,17 @@ def block_segments_fused(x: torch.Tensor, block: int, pow2: bool, eps: float) ->
 
 
 _OFFSETS_KEPT = 16  # distinct split lists whose device offsets are kept (a step's layers share them)
-_offsets_cache: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_Offsets = tuple[torch.Tensor, torch.Tensor]  # (the pinned host copy, the device tensor)
+_offsets_cache: dict[tuple[tuple[int, ...], torch.device], _Offsets] = {}
+# Offsets a CUDA graph captured: kept for the life of the process, since a graph may be replayed
+# at any time (an evicted tensor would be freed under it). Those a capture created itself are
+# only written when the graph replays, so no one else is handed them.
+_offsets_held: dict[tuple[tuple[int, ...], torch.device], _Offsets] = {}
+_offsets_captured: list[_Offsets] = []
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -225,18 +235,29 @@ def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor
     Copied from pinned memory without a sync and kept for the last few split lists: the
     experts' token counts of one step are cast several times (x in forward, dy in backward,
     fc1 and fc2), and the weights' splits never change. A fresh pinned buffer per cast would
-    cost a host allocation each time (the GPU still holds the previous ones).
+    cost a host allocation each time (the GPU still holds the previous ones). Offsets used while
+    a CUDA graph is captured are kept for good, with their pinned source (``_offsets_held``).
     """
     key = (tuple(splits), torch.device(device))
-    off = _offsets_cache.pop(key, None)
-    if off is None:
+    held = _offsets_held.get(key)
+    if held is not None:
+        return held[1]
+    entry = _offsets_cache.pop(key, None)
+    capturing = _capturing(key[1])
+    if entry is None:
         host = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64,
                             pin_memory=key[1].type == "cuda")
-        off = host.to(key[1], non_blocking=True)
+        entry = (host, host.to(key[1], non_blocking=True))
+        if capturing:  # its copy is a node of the graph: valid only once the graph has replayed
+            _offsets_captured.append(entry)
+            return entry[1]
         while len(_offsets_cache) >= _OFFSETS_KEPT:
             _offsets_cache.pop(next(iter(_offsets_cache)))
-    _offsets_cache[key] = off  # most recent last
-    return off
+    if capturing:
+        _offsets_held[key] = entry
+    else:
+        _offsets_cache[key] = entry  # most recent last
+    return entry[1]
 
 
 def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,

@@ -32,8 +32,8 @@ segment and turns the amax into ``(scale, 1/scale)`` in FP64, exactly as
 ``reference.amax_to_scale`` and ``torch.reciprocal`` do (a correctly rounded FP64 result rounded
 to FP32 is the correctly rounded FP32 result for a division).
 
-Current scaling without a group reduction (``cast_current``) takes two launches here (one with
-the persistent cast of ``triton_persistent.py``, the default): the amax kernel leaves one partial per
+Current scaling without a group reduction (``cast_current``) takes one launch by default (the
+persistent cast of ``triton_persistent.py``), else two: the amax kernel leaves one partial per
 program, and every cast program reduces its tensor's (or segment's) partials and computes the
 scale itself; the first program of each segment publishes scale and 1/scale. Launches, not
 bandwidth, bound the small casts (see ``triton_launch.Launcher``).

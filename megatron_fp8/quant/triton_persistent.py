@@ -35,9 +35,9 @@ segment walks on CPU.
 Measured on an H200 (``scripts/bench_current_cast.py``, docs/benchmarks.md, 2026-12-03, torch
 2.11.0+cu130): a plain tensor's cast 1.27-1.30x faster than the two-launch cast, the experts'
 casts 1.03-1.12x, small (launch-bound) casts 5x; its GPU tests and the whole GPU suite with it on
-passed in the same call. On by default; ``MEGATRON_FP8_ONE_LAUNCH_CAST=0`` (read at import) turns
-it off, leaving the two-launch cast. A build or launch failure falls back to two launches with one
-warning (``kernels._KernelGuard``).
+passed in the same call. On by default; ``MEGATRON_FP8_ONE_LAUNCH_CAST=0`` (read when this module
+is first imported) turns it off, leaving the two-launch cast. A build or launch failure falls back
+to two launches with one warning (``kernels._KernelGuard``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ _PERSISTENT = Launcher(_current_persistent_kernel)
 
 def enabled_from_env() -> bool:
     """``MEGATRON_FP8_ONE_LAUNCH_CAST``: ``1`` (the default) or ``0`` (the two-launch cast serves
-    every tensor); anything else is an error rather than a guess."""
+    every tensor); anything else raises, when this module is first imported (the first
+    current-scaling cast on CUDA), rather than guessing. Where the Triton casts do not run (CPU,
+    ``MEGATRON_FP8_CAST_BACKEND=compile|eager``) the variable is not read."""
     v = os.environ.get("MEGATRON_FP8_ONE_LAUNCH_CAST", "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"MEGATRON_FP8_ONE_LAUNCH_CAST={v!r}; allowed: '1' (one-launch current-scaling "
@@ -172,7 +174,7 @@ def enabled_from_env() -> bool:
     return v == "1"
 
 
-ENABLED = enabled_from_env()  # read once, at import
+ENABLED = enabled_from_env()  # read once, when the first current-scaling cast on CUDA imports this module
 # Programs per SM. Every variant is built with a register cap that fits this many (``_register_cap``)
 # and uses at most 32 KB of shared memory; the driver still checks (a cooperative launch), and a
 # refusal (fewer SMs to this process, as under MPS) drops the device, for that warp count, to one.
