@@ -345,8 +345,16 @@ def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
     return _inside_first(d0, ptr)
 
 
-@functools.cache
 def _ones(g: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[g, n]`` FP32 ones, kept per shape; made fresh while a CUDA graph is captured (a tensor
+    made there is only written when the graph replays, so it must not be handed to others)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones((g, n), dtype=torch.float32, device=device)
+    return _kept_ones(g, n, device)
+
+
+@functools.cache
+def _kept_ones(g: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.ones((g, n), dtype=torch.float32, device=device)
 
 
