@@ -348,7 +348,9 @@ def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
 def _ones(g: int, n: int, device: torch.device) -> torch.Tensor:
     """``[g, n]`` FP32 ones, kept per shape; made fresh while a CUDA graph is captured (a tensor
     made there is only written when the graph replays, so it must not be handed to others)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    from .quant.kernels import capturing
+
+    if capturing(device):
         return torch.ones((g, n), dtype=torch.float32, device=device)
     return _kept_ones(g, n, device)
 

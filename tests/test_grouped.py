@@ -435,10 +435,10 @@ def test_segment_offsets_kept_for_captured_graphs(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(kernels, "_offsets_held", {})
     monkeypatch.setattr(kernels, "_offsets_captured", [])
     eager = kernels.segment_offsets([128, 256], cpu)  # made eagerly, then used by a capture
-    monkeypatch.setattr(kernels, "_capturing", lambda device: True)
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
     assert kernels.segment_offsets([128, 256], cpu) is eager
     in_capture = kernels.segment_offsets([384, 128], cpu)  # first made inside a capture
-    monkeypatch.setattr(kernels, "_capturing", lambda device: False)
+    monkeypatch.setattr(kernels, "capturing", lambda device: False)
     for i in range(kernels._OFFSETS_KEPT + 1):  # evicts every eager entry
         kernels.segment_offsets([i + 1000], cpu)
     assert kernels.segment_offsets([128, 256], cpu) is eager  # held: never evicted

@@ -225,7 +225,9 @@ _offsets_held: dict[tuple[tuple[int, ...], torch.device], _Offsets] = {}
 _offsets_captured: list[_Offsets] = []
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
+    """Whether work for ``device`` is being captured into a CUDA graph now (a tensor made now is
+    written only when the graph replays; one a graph captured must outlive it)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -243,17 +245,17 @@ def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor
     if held is not None:
         return held[1]
     entry = _offsets_cache.pop(key, None)
-    capturing = _capturing(key[1])
+    in_capture = capturing(key[1])
     if entry is None:
         host = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64,
                             pin_memory=key[1].type == "cuda")
         entry = (host, host.to(key[1], non_blocking=True))
-        if capturing:  # its copy is a node of the graph: valid only once the graph has replayed
+        if in_capture:  # its copy is a node of the graph: valid only once the graph has replayed
             _offsets_captured.append(entry)
             return entry[1]
         while len(_offsets_cache) >= _OFFSETS_KEPT:
             _offsets_cache.pop(next(iter(_offsets_cache)))
-    if capturing:
+    if in_capture:
         _offsets_held[key] = entry
     else:
         _offsets_cache[key] = entry  # most recent last
