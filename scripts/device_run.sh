@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py tests/test_persistent_cast.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_segment_casts.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     # the one-launch current-scaling cast (the default): its tests, then the GPU suite with it off
     # (the two-launch fallback; a hang would be a barrier bug: the timeouts end it), then its
     # timing against the two-launch cast

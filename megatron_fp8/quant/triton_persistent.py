@@ -57,7 +57,7 @@ from .triton_cast import (
     _fp8_consts,
     _load_transposed,
     _quantize,
-    _segment_of,
+    _segment_of_row,
     _tensor_scale,
     cast_warps,
     fp8_copies,
@@ -84,7 +84,7 @@ def _current_persistent_kernel(
         e = 0
         end = tl.zeros((), dtype=tl.int64) + M
         if SEG:  # segments are whole row tiles (multiples of T rows)
-            e = _segment_of((lo // n_kb) * T, seg_ptr, n_seg)
+            e = _segment_of_row((lo // n_kb) * T, seg_ptr, n_seg)
             end = tl.load(seg_ptr + e + 1)
         acc = tl.zeros((), dtype=tl.int32)
         for t in range(lo, hi):
@@ -119,7 +119,7 @@ def _current_persistent_kernel(
         start = tl.zeros((), dtype=tl.int64)
         length = tl.zeros((), dtype=tl.int64) + M
         if SEG:  # the hints keep the column copy's stores 16 bytes wide
-            e = _segment_of(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
+            e = _segment_of_row(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
             start = tl.multiple_of(tl.load(seg_ptr + e), T)
             length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
         s, _ = _tensor_scale(tl.load(amax_ptr + e, volatile=True).to(tl.float32, bitcast=True),

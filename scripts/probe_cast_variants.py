@@ -1,0 +1,161 @@
+"""Block-cast kernel variants against the package's cast (GPU only): each variant's outputs are
+checked bit for bit against ``triton_cast.cast_tiles``, then timed; prints one table.
+
+    python scripts/probe_cast_variants.py
+
+Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_kernel``):
+
+- ``package``: the package's kernel (one program writes both copies; the column copy re-reads
+  the tile transposed, an L2 hit);
+- ``split``: two programs per tile, adjacent in launch order (so they run together and the
+  second read is an L2 hit): one writes the rowwise copy, the other the columnwise copy. Half
+  the work and registers per program, twice the programs.
+
+Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read, twice the bytes
+written), and the package's row-only and column-only casts.
+
+``--segments``: the experts' casts (``cast_segments``, 8 segments of 2048 rows) against one
+plain cast of the same tensor; ``--lookup vector`` first swaps the kernel's segment lookup for
+one that reads 32 boundaries per vector load (run each lookup in its own process: the kernel
+compiles with the lookup it first sees). Measured on an H200 with the old lookup (one
+dependent scalar load per boundary): 124 us for the weights' 128x128 cast, 85 with the vector
+one, which the package has used since (``triton_cast._segment_of_row``); "loop" now times the
+package's lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+from benchlib import environment, markdown_table, median_ms
+
+from megatron_fp8.quant import triton_cast as tc
+from megatron_fp8.quant.triton_cast import _load_transposed, _pow2_scale, _quantize  # noqa: F401 (jit globals)
+
+
+@triton.jit
+def _split_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_kb,
+                  MODE: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr,
+                  OUT: tl.constexpr, T: tl.constexpr):
+    which, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * T + tl.arange(0, T)
+    offs_k = pid_k * T + tl.arange(0, T)
+    rows64 = offs_m.to(tl.int64)
+    if which == 0:
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + rows64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        if MODE == 0:
+            s_r, inv_r = _pow2_scale(tl.max(a, axis=1), F_EXP, F_MANT)
+            tl.store(row_s_ptr + pid_k * M + rows64, inv_r, mask=offs_m < M)
+            q = _quantize(x, s_r[:, None], FMAX, OUT)
+        else:
+            s_all, inv_all = _pow2_scale(tl.max(tl.max(a, axis=1), axis=0), F_EXP, F_MANT)
+            tl.store(row_s_ptr + pid_m * n_kb + pid_k, inv_all)
+            q = _quantize(x, s_all, FMAX, OUT)
+        tl.store(row_ptr + rows64[:, None] * K + offs_k[None, :], q, mask=mask)
+    else:
+        xt = _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K)  # [T(k), T(m)]
+        at = tl.abs(xt)
+        if MODE == 0:
+            s_c, inv_c = _pow2_scale(tl.max(at, axis=1), F_EXP, F_MANT)
+            tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
+            q = _quantize(xt, s_c[:, None], FMAX, OUT)
+        else:
+            s_all, _ = _pow2_scale(tl.max(tl.max(at, axis=1), axis=0), F_EXP, F_MANT)
+            q = _quantize(xt, s_all, FMAX, OUT)
+        tl.store(col_ptr + offs_k[:, None].to(tl.int64) * M + rows64[None, :], q,
+                 mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
+
+
+def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
+    m, k = x.shape
+    n_mb, n_kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
+    row = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    col = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
+    row_s = torch.empty((n_kb * m,) if mode == "1x128" else (n_mb, n_kb), dtype=torch.float32, device=x.device)
+    col_s = torch.empty((n_mb, k), dtype=torch.float32, device=x.device)
+    fmax, f_exp, f_mant, out = tc._fp8_consts(torch.float8_e4m3fn)
+    _split_kernel[(2, n_mb, n_kb)](x, row, row_s, col, col_s, m, k, n_kb, MODE=tc._MODES[mode], FMAX=fmax,
+                                   F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=128, num_warps=warps)
+    if mode == "1x128":
+        return (row, row_s.view(n_kb, m).t()), (col, col_s.t())
+    return (row, row_s), (col, row_s.t().contiguous())
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(p[0].view(torch.uint8), q[0].view(torch.uint8)) and torch.equal(p[1], q[1])
+               for p, q in zip(a, b, strict=True))
+
+
+@triton.jit
+def _segment_of_vector(rows, seg_ptr, n_seg):
+    """``_segment_of`` for a scalar row: 32 boundaries per vector load."""
+    j = 1 + tl.arange(0, 32)
+    eid = tl.zeros_like(rows)
+    for base in range(0, n_seg, 32):
+        inside = base + j < n_seg
+        v = tl.load(seg_ptr + base + j, mask=inside, other=0)
+        eid += tl.sum(((rows >= v) & inside).to(rows.dtype), axis=0)
+    return eid
+
+
+def segments(lookup: str) -> None:
+    if lookup == "vector":
+        tc._segment_of = _segment_of_vector
+    rows = []
+    splits = [2048] * 8
+    offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
+    for label, k, mode in (("w 8x2048x4096", 4096, "128x128"), ("x 8x2048x4096", 4096, "1x128"),
+                           ("dy 8x2048x2048", 2048, "1x128")):
+        x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
+        if lookup == "vector":  # the swapped lookup must give the loop's bits
+            ref = tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
+            got = tc.cast_segments(x, offsets, splits, torch.float8_e4m3fn, mode, True, True)
+            assert torch.equal(got[0].view(torch.uint8), ref[0][0].view(torch.uint8)), label
+        plain = median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True))
+        seg = median_ms(lambda x=x, mode=mode: tc.cast_segments(x, offsets, splits, torch.float8_e4m3fn, mode,
+                                                                True, True))
+        rows.append([label, mode, lookup, f"{plain * 1e3:.1f}", f"{seg * 1e3:.1f}", f"{plain / seg:.2f}x"])
+    print(markdown_table(["tensor", "mode", "segment lookup", "plain us", "8 segments us", "plain/segments"], rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--segments", action="store_true")
+    p.add_argument("--lookup", choices=("loop", "vector"), default="loop")
+    args = p.parse_args()
+    print(environment())
+    if args.segments:
+        segments(args.lookup)
+        return
+    rows = []
+    cases = [("x 16384x4096", 16384, 4096, "1x128"), ("dy 16384x2048", 16384, 2048, "1x128"),
+             ("w 16384x4096", 16384, 4096, "128x128")]
+    for label, m, k, mode in cases:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        gb = x.numel() * 2 * 2 / 1e9  # bytes read + written (FP8 row + column copies)
+        ref = tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
+        timings = {"clone (DRAM copy)": median_ms(lambda x=x: x.clone()),
+                   "package row only": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode,
+                                                                                       True, False)),
+                   "package col only": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode,
+                                                                                       False, True)),
+                   "package": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True))}
+        for warps in (4, 8, 16):
+            name = f"split, {warps} warps"
+            if not _same(_split(x, mode, warps), ref):
+                rows.append([label, mode, name, "MISMATCH", "", ""])
+                continue
+            timings[name] = median_ms(lambda x=x, mode=mode, w=warps: _split(x, mode, w))
+        base = timings["package"]
+        for name, ms in timings.items():
+            rows.append([label, mode, name, f"{ms * 1e3:.1f}", f"{gb / ms:.2f}", f"{base / ms:.2f}x"])
+    print(markdown_table(["tensor", "mode", "variant", "us", "TB/s (row+col bytes)", "vs package"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The experts' one-launch casts (``Quantizer.quantize_segments``: one Triton launch for every
+expert) against each expert's own cast, bit for bit, where the segment lookup has the most to
+get wrong: more experts than one vector load of boundaries (32), empty experts anywhere, and
+token counts that are not multiples of 128 (current scaling, whose per-row lookup then runs).
+CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+E4 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _equal_per_expert(q: object, x: torch.Tensor, splits: list[int]) -> None:
+    fused = q.quantize_segments(x, splits, peers=[q] * len(splits), rowwise=True, columnwise=True)
+    assert fused is not None, "the one-launch cast should serve these experts"
+    for e, (part, got) in enumerate(zip(x.split(splits), fused, strict=True)):
+        want = q.quantize(part, rowwise=True, columnwise=True)
+        for usage in ("rowwise", "columnwise"):
+            g, w = got.operand(usage), want.operand(usage)
+            assert g.data.shape == w.data.shape and torch.equal(_bits(g.data), _bits(w.data)), (e, usage)
+            assert torch.equal(_bits(g.scale_inv), _bits(w.scale_inv)), (e, usage)
+
+
+def _input(splits: list[int], k: int) -> torch.Tensor:
+    m = sum(splits)
+    ramp = torch.linspace(0.05, 20, m).unsqueeze(1)  # every expert a different amax
+    return (torch.randn(m, k) * ramp).to(torch.bfloat16).to(DEV)
+
+
+# 42 experts: the lookup reads their boundaries in two vector loads; empty experts first and inside
+ALIGNED = [0, *([128, 0, 256] * 13), 128, 0, 384]
+RAGGED = [0, *([37, 0, 128, 201] * 10), 5]
+
+
+@pytest.mark.parametrize("quantizer", [Block1DQuantizer, CurrentScalingQuantizer])
+def test_many_aligned_experts(quantizer: type) -> None:
+    _equal_per_expert(quantizer(E4), _input(ALIGNED, 128), ALIGNED)
+
+
+def test_many_ragged_experts_current() -> None:
+    _equal_per_expert(CurrentScalingQuantizer(E4), _input(RAGGED, 128), RAGGED)
+
+
+def test_many_stacked_expert_weights() -> None:
+    """Stacked experts' weights in 128x128 blocks (equal splits, as a GroupedLinear's)."""
+    splits = [128] * 40
+    _equal_per_expert(Block2DQuantizer(E4), _input(splits, 256), splits)
