@@ -161,6 +161,7 @@ def segments(lookup: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="*", choices=("split", "fp8t"), default=["split", "fp8t"])
     p.add_argument("--segments", action="store_true")
     p.add_argument("--lookup", choices=("loop", "vector"), default="loop")
     args = p.parse_args()
@@ -168,32 +169,38 @@ def main() -> None:
     if args.segments:
         segments(args.lookup)
         return
+    variants(set(args.variants))
+
+
+def variants(kinds: set[str]) -> None:
+    """The row + column cast variants ``kinds`` against the package's cast and the yardsticks."""
     rows = []
     cases = [("x 16384x4096", 16384, 4096, "1x128"), ("dy 16384x2048", 16384, 2048, "1x128"),
              ("w 16384x4096", 16384, 4096, "128x128")]
     for label, m, k, mode in cases:
+        tried = [(f"split, {w} warps", lambda x, mode=mode, w=w: _split(x, mode, w))
+                 for w in (4, 8, 16) if "split" in kinds]
+        tried += [(f"fp8t, {w} warps", lambda x, w=w: _fp8t(x, w))
+                  for w in (4, 8, 16) if "fp8t" in kinds and mode == "1x128"]
+        if not tried:
+            continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         gb = x.numel() * 2 * 2 / 1e9  # bytes read + written (FP8 row + column copies)
         ref = tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
-        timings = {"clone (DRAM copy)": median_ms(lambda x=x: x.clone()),
-                   "package row only": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode,
-                                                                                       True, False)),
-                   "package col only": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode,
-                                                                                       False, True)),
-                   "package": median_ms(lambda x=x, mode=mode: tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True))}
-        variants = [(f"split, {w} warps", lambda x=x, mode=mode, w=w: _split(x, mode, w)) for w in (4, 8, 16)]
-        if mode == "1x128":
-            variants += [(f"fp8t, {w} warps", lambda x=x, w=w: _fp8t(x, w)) for w in (4, 8, 16)]
-        for name, fn in variants:
-            if not _same(fn(), ref):
+        timings = {"clone (DRAM copy)": median_ms(lambda x=x: x.clone())}
+        for name, row, col in (("package row only", True, False), ("package col only", False, True),
+                               ("package", True, True)):
+            timings[name] = median_ms(lambda x=x, mode=mode, r=row, c=col: tc.cast_tiles(x, torch.float8_e4m3fn,
+                                                                                         mode, r, c))
+        for name, fn in tried:
+            if not _same(fn(x), ref):
                 rows.append([label, mode, name, "MISMATCH", "", ""])
                 continue
-            timings[name] = median_ms(fn)
+            timings[name] = median_ms(lambda x=x, fn=fn: fn(x))
         base = timings["package"]
         for name, ms in timings.items():
             rows.append([label, mode, name, f"{ms * 1e3:.1f}", f"{gb / ms:.2f}", f"{base / ms:.2f}x"])
     print(markdown_table(["tensor", "mode", "variant", "us", "TB/s (row+col bytes)", "vs package"], rows))
-
 
 if __name__ == "__main__":
     main()
