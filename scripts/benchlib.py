@@ -94,10 +94,16 @@ def host_and_device_ms(fn: Callable[[], object], n: int = 20) -> tuple[float, fl
     return host, start.elapsed_time(end) / n
 
 
+# settings that change which kernels run (named in the tables when set)
+_SETTINGS = ("CUBLASLT_WORKSPACE_SIZE", "MEGATRON_FP8_GROUPED_GEMM", "MEGATRON_FP8_ONE_LAUNCH_CAST",
+             "MEGATRON_FP8_CAST_BACKEND")
+
+
 def environment() -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    settings = "".join(f", {k}={os.environ[k]}" for k in _SETTINGS if k in os.environ)
     return (f"{dev}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-            f"{datetime.date.today().isoformat()}")
+            f"{datetime.date.today().isoformat()}{settings}")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
