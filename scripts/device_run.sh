@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_segment_casts.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py tests/test_*gpu*.py tests/test_persistent_cast.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     # the one-launch current-scaling cast (the default): its tests, then the GPU suite with it off
     # (the two-launch fallback; a hang would be a barrier bug: the timeouts end it), then its
     # timing against the two-launch cast
@@ -32,7 +32,7 @@ for what in "${steps[@]}"; do
     # the same with cuBLASLt's workspace off (no stream-K memsets before the experts' GEMMs; README)
     grouped-ws0) mkdir -p "$OUT/ws0"; CUBLASLT_WORKSPACE_SIZE=0 python3 scripts/bench_grouped.py ${GROUPED_ARGS:-} --out "$OUT/ws0" 2>&1 | tee "$OUT/bench_grouped_ws0.log" ;;
     casts) python3 scripts/profile_casts.py ${CAST_ARGS:-} 2>&1 | tee "$OUT/profile_casts.log" ;;
-    variants) (cd scripts && python3 probe_cast_variants.py && python3 probe_cast_variants.py --segments) 2>&1 | tee "$OUT/probe_cast_variants.log" ;;
+    variants) (cd scripts && python3 probe_cast_variants.py && python3 probe_cast_variants.py --segments && python3 probe_cast_variants.py --segments --lookup old) 2>&1 | tee "$OUT/probe_cast_variants.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
     tgemm) python3 scripts/bench_triton_grouped.py 2>&1 | tee "$OUT/bench_triton_grouped.log" ;;

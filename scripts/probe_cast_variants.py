@@ -14,16 +14,15 @@ Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_
   maxima, the tile quantized with them and the FP8 result transposed (as the 128x128 cast does
   with its one scale), instead of re-reading the tile transposed.
 
-Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read, twice the bytes
-written), and the package's row-only and column-only casts.
+Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read and written as a
+row + column cast), and the package's row-only and column-only casts (3 bytes per element).
 
 ``--segments``: the experts' casts (``cast_segments``, 8 segments of 2048 rows) against one
-plain cast of the same tensor; ``--lookup vector`` first swaps the kernel's segment lookup for
-one that reads 32 boundaries per vector load (run each lookup in its own process: the kernel
-compiles with the lookup it first sees). Measured on an H200 with the old lookup (one
-dependent scalar load per boundary): 124 us for the weights' 128x128 cast, 85 with the vector
-one, which the package has used since (``triton_cast._segment_of_row``); "loop" now times the
-package's lookup.
+plain cast of the same tensor, with the package's segment lookup (32 boundaries per vector
+load), or with ``--lookup old`` the one it replaced (one scalar load per boundary, a loop step
+each), swapped in first (run each in its own process: the kernel compiles with the lookup it
+first sees). H200, 2026-12-03: 124 us for the weights' 128x128 cast with the old lookup, 85 with
+the vector one (then swapped into the package by this script; docs/benchmarks.md run S).
 """
 
 from __future__ import annotations
@@ -128,27 +127,24 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 @triton.jit
-def _segment_of_vector(rows, seg_ptr, n_seg):
-    """``_segment_of`` for a scalar row: 32 boundaries per vector load."""
-    j = 1 + tl.arange(0, 32)
-    eid = tl.zeros_like(rows)
-    for base in range(0, n_seg, 32):
-        inside = base + j < n_seg
-        v = tl.load(seg_ptr + base + j, mask=inside, other=0)
-        eid += tl.sum(((rows >= v) & inside).to(rows.dtype), axis=0)
+def _segment_of_row_old(row, seg_ptr, n_seg):
+    """The lookup ``triton_cast._segment_of_row`` replaced: one boundary per loop step."""
+    eid = tl.zeros_like(row)
+    for j in range(1, n_seg):
+        eid += (row >= tl.load(seg_ptr + j)).to(row.dtype)
     return eid
 
 
 def segments(lookup: str) -> None:
-    if lookup == "vector":
-        tc._segment_of = _segment_of_vector
+    if lookup == "old":
+        tc._segment_of_row = _segment_of_row_old
     rows = []
     splits = [2048] * 8
     offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
     for label, k, mode in (("w 8x2048x4096", 4096, "128x128"), ("x 8x2048x4096", 4096, "1x128"),
                            ("dy 8x2048x2048", 2048, "1x128")):
         x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
-        if lookup == "vector":  # the swapped lookup must give the loop's bits
+        if lookup == "old":  # the swapped lookup must give the same bits
             ref = tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
             got = tc.cast_segments(x, offsets, splits, torch.float8_e4m3fn, mode, True, True)
             assert torch.equal(got[0].view(torch.uint8), ref[0][0].view(torch.uint8)), label
@@ -163,7 +159,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", choices=("split", "fp8t"), default=["split", "fp8t"])
     p.add_argument("--segments", action="store_true")
-    p.add_argument("--lookup", choices=("loop", "vector"), default="loop")
+    p.add_argument("--lookup", choices=("package", "old"), default="package")
     args = p.parse_args()
     print(environment())
     if args.segments:
@@ -185,9 +181,10 @@ def variants(kinds: set[str]) -> None:
         if not tried:
             continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        gb = x.numel() * 2 * 2 / 1e9  # bytes read + written (FP8 row + column copies)
+        elems = x.numel() / 1e9
         ref = tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
         timings = {"clone (DRAM copy)": median_ms(lambda x=x: x.clone())}
+        gb = dict.fromkeys(("package row only", "package col only"), 3 * elems)  # GB moved: 2 read, 1 written
         for name, row, col in (("package row only", True, False), ("package col only", False, True),
                                ("package", True, True)):
             timings[name] = median_ms(lambda x=x, mode=mode, r=row, c=col: tc.cast_tiles(x, torch.float8_e4m3fn,
@@ -199,8 +196,9 @@ def variants(kinds: set[str]) -> None:
             timings[name] = median_ms(lambda x=x, fn=fn: fn(x))
         base = timings["package"]
         for name, ms in timings.items():
-            rows.append([label, mode, name, f"{ms * 1e3:.1f}", f"{gb / ms:.2f}", f"{base / ms:.2f}x"])
-    print(markdown_table(["tensor", "mode", "variant", "us", "TB/s (row+col bytes)", "vs package"], rows))
+            rows.append([label, mode, name, f"{ms * 1e3:.1f}", f"{gb.get(name, 4 * elems) / ms:.2f}",
+                         f"{base / ms:.2f}x"])
+    print(markdown_table(["tensor", "mode", "variant", "us", "TB/s", "vs package"], rows))
 
 if __name__ == "__main__":
     main()

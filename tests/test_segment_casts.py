@@ -1,8 +1,10 @@
-"""The experts' one-launch casts (``Quantizer.quantize_segments``: one Triton launch for every
-expert) against each expert's own cast, bit for bit, where the segment lookup has the most to
-get wrong: more experts than one vector load of boundaries (32), empty experts anywhere, and
-token counts that are not multiples of 128 (current scaling, whose per-row lookup then runs).
-CUDA, or CPU under ``TRITON_INTERPRET=1``."""
+"""The experts' casts in one pass over all experts (``Quantizer.quantize_segments``: one Triton
+cast launch for every expert, after one amax launch where current scaling needs it, or the
+one-launch current cast on CUDA where every expert has a positive multiple of 128 tokens)
+against each expert's own cast, bit for bit, where the segment lookup has the most to get
+wrong: more experts than one vector load of boundaries (32), empty experts anywhere, and token
+counts that are not multiples of 128 (current scaling, whose per-row lookup then runs). CUDA,
+or CPU under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -29,9 +31,12 @@ def _equal_per_expert(q: object, x: torch.Tensor, splits: list[int]) -> None:
     assert fused is not None, "the one-launch cast should serve these experts"
     for e, (part, got) in enumerate(zip(x.split(splits), fused, strict=True)):
         want = q.quantize(part, rowwise=True, columnwise=True)
+        if want.scale is not None:  # per-tensor recipes: the expert's scale itself
+            assert torch.equal(_bits(got.scale), _bits(want.scale)), e
         for usage in ("rowwise", "columnwise"):
             g, w = got.operand(usage), want.operand(usage)
             assert g.data.shape == w.data.shape and torch.equal(_bits(g.data), _bits(w.data)), (e, usage)
+            assert g.scale_inv.shape == w.scale_inv.shape, (e, usage)
             assert torch.equal(_bits(g.scale_inv), _bits(w.scale_inv)), (e, usage)
 
 
@@ -41,9 +46,12 @@ def _input(splits: list[int], k: int) -> torch.Tensor:
     return (torch.randn(m, k) * ramp).to(torch.bfloat16).to(DEV)
 
 
-# 42 experts: the lookup reads their boundaries in two vector loads; empty experts first and inside
+# 43 and 42 experts: the lookup reads their boundaries in two vector loads; empty experts first
+# and inside. Empty experts send current scaling to its amax-then-cast launches; FULL (34
+# experts, none empty) takes the one-launch current cast on CUDA.
 ALIGNED = [0, *([128, 0, 256] * 13), 128, 0, 384]
 RAGGED = [0, *([37, 0, 128, 201] * 10), 5]
+FULL = [128, 256] * 17
 
 
 @pytest.mark.parametrize("quantizer", [Block1DQuantizer, CurrentScalingQuantizer])
@@ -51,8 +59,9 @@ def test_many_aligned_experts(quantizer: type) -> None:
     _equal_per_expert(quantizer(E4), _input(ALIGNED, 128), ALIGNED)
 
 
-def test_many_ragged_experts_current() -> None:
-    _equal_per_expert(CurrentScalingQuantizer(E4), _input(RAGGED, 128), RAGGED)
+@pytest.mark.parametrize("splits", [RAGGED, FULL], ids=["ragged", "full"])
+def test_many_experts_current(splits: list[int]) -> None:
+    _equal_per_expert(CurrentScalingQuantizer(E4), _input(splits, 128), splits)
 
 
 def test_many_stacked_expert_weights() -> None:

@@ -207,7 +207,7 @@ def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
 # _SB boundaries per vector load. The lookup they replace loaded one boundary per loop step,
 # which (read as one load latency per step) fits what it cost: eight experts'
 # 128x128 weight cast (8 x 2048 x 4096) took 124 us with it and 85 us with these (the plain cast
-# of the same tensor: 80 us), H200, scripts/probe_cast_variants.py --segments.
+# of the same tensor: 80 us), H200, scripts/probe_cast_variants.py --segments [--lookup old].
 _SB = tl.constexpr(32)
 
 
