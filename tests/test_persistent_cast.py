@@ -126,8 +126,9 @@ def test_one_launch_on_streams_and_in_graphs(per_sm: int, monkeypatch: pytest.Mo
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cast_current`` takes the one-launch path on CUDA when it is on (not under the interpreter,
-    not for an empty tensor), and the two-launch path when it is off."""
+    """The package's current-scaling cast (``kernels.cast_current``) takes the one-launch path on
+    CUDA when it is on (not under the interpreter, not for an empty tensor), and the two-launch
+    path when it is off."""
     calls: list[int] = []
     real = triton_persistent.cast_current_persistent
 
@@ -138,12 +139,13 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_persistent, "cast_current_persistent", spy)
     monkeypatch.setattr(triton_persistent, "ENABLED", True)
     x = _input((256, 256), None)
-    triton_cast.cast_current(x, E4, True, True)
+    kw = dict(power_2_scale=False, amax_epsilon=0.0)
+    assert kernels.cast_current(x, E4, True, True, **kw) is not None
     assert len(calls) == (1 if GPU else 0)
-    triton_cast.cast_current(x[:0], E4, True, False)
+    assert kernels.cast_current(x[:0], E4, True, False, **kw) is None
     assert len(calls) == (1 if GPU else 0)
     monkeypatch.setattr(triton_persistent, "ENABLED", False)
-    triton_cast.cast_current(x, E4, True, True)
+    assert kernels.cast_current(x, E4, True, True, **kw) is not None
     assert len(calls) == (1 if GPU else 0)
 
 

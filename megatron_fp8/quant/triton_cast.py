@@ -481,15 +481,16 @@ def _amax_partials(x: torch.Tensor, per_program: bool) -> tuple[torch.Tensor, in
 def cast_current(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool = False,
     amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
-    one_launch: bool | None = None,
+    one_launch: bool = False,
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
     """Current scaling: ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
     ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment: the
     raw ``row [M, K]`` and flat ``col [K * M]`` that ``quant.tensor.Pack`` views per segment, and
-    ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. In one launch (the persistent cast of
-    ``triton_persistent``) where ``one_launch`` is True, or None and ``one_launch_ok(x)``;
-    otherwise two: amax partials, then the cast, whose programs turn them into the scale."""
-    if x.numel() and (one_launch or (one_launch is None and one_launch_ok(x))):
+    ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. ``one_launch``: in one launch (the persistent
+    cast of ``triton_persistent``; the caller decides, as ``kernels.cast_current`` does by
+    ``one_launch_ok``); otherwise two: amax partials, then the cast, whose programs turn them into
+    the scale."""
+    if one_launch and x.numel():
         return _persistent().cast_current_persistent(x, fp8_dtype, rowwise, columnwise, power_2_scale=power_2_scale,
                                                      amax_epsilon=amax_epsilon, splits=splits, offsets=offsets)
     x = x.contiguous()
