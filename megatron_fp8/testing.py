@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -85,3 +85,17 @@ def capture_step(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUD
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat, on the CPU: ``torch.equal`` of two of these compares tensors of any
+    dtype bit for bit (NaNs and signed zeros included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(one: Sequence[torch.Tensor | None], two: Sequence[torch.Tensor | None]) -> bool:
+    """Whether two equally long sequences hold tensors of the same shapes and bytes, and None in
+    the same places (a cast's outputs against another path's)."""
+    return all((a is None and b is None)
+               or (a is not None and b is not None and a.shape == b.shape and torch.equal(bits(a), bits(b)))
+               for a, b in zip(one, two, strict=True))

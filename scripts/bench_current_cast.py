@@ -16,6 +16,7 @@ import torch
 from benchlib import markdown_table, median_ms
 
 from megatron_fp8.quant import kernels, triton_cast, triton_persistent
+from megatron_fp8.testing import same_bits
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -40,15 +41,6 @@ def _cast(x: torch.Tensor, splits: list[int] | None, off: torch.Tensor | None, d
     return triton_cast.cast_current(x, dtype, row, col, splits=splits, offsets=off, one_launch=one)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
-    return all((u is None and v is None) or torch.equal(_bits(u), _bits(v))  # type: ignore[arg-type]
-               for u, v in zip(a, b, strict=True))
-
-
 def main() -> None:
     rows = []
     for name, m, k, splits, dtype, row, col in CASES:
@@ -59,7 +51,7 @@ def main() -> None:
         for per_sm in (1, 2):
             triton_persistent.PROGRAMS_PER_SM = per_sm
             one = _cast(x, splits, off, dtype, row, col, True)
-            if not _same(one, two):
+            if not same_bits(one, two):
                 raise SystemExit(f"{name}: one-launch cast differs from the two-launch cast ({per_sm}/SM)")
             times[f"one launch, {per_sm}/SM"] = median_ms(functools.partial(_cast, x, splits, off, dtype, row, col,
                                                                             True))

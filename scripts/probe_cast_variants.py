@@ -36,6 +36,7 @@ from benchlib import environment, markdown_table, median_ms
 
 from megatron_fp8.quant import triton_cast as tc
 from megatron_fp8.quant.triton_cast import _load_transposed, _pow2_scale, _quantize  # noqa: F401 (jit globals)
+from megatron_fp8.testing import same_bits
 
 
 @triton.jit
@@ -122,8 +123,8 @@ def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return all(torch.equal(p[0].view(torch.uint8), q[0].view(torch.uint8)) and torch.equal(p[1], q[1])
-               for p, q in zip(a, b, strict=True))
+    """Two casts' ``((row, row_s), (col, col_s))`` bit for bit."""
+    return same_bits([*a[0], *a[1]], [*b[0], *b[1]])
 
 
 @triton.jit

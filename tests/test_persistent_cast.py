@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_fp8.quant import kernels
+from megatron_fp8.testing import same_bits
 
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -22,15 +23,6 @@ from megatron_fp8.quant import triton_cast, triton_persistent  # noqa: E402 - ne
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 GPU = DEV == "cuda"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same(one: tuple[object, ...], two: tuple[object, ...]) -> bool:
-    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(_bits(a), _bits(b)))
-               for a, b in zip(one, two, strict=True))
 
 
 def _both(x: torch.Tensor, dtype: torch.dtype, row: bool, col: bool, splits: list[int] | None,
@@ -75,7 +67,7 @@ def test_one_launch_equals_two(splits: list[int] | None, copies: tuple[bool, boo
             # CUDA: every grid, three launches each; the interpreter (slow): one grid per option
             for programs in [None, 1, 3, 7] if GPU else [[1, 2, 7][i]]:
                 for _ in range(3 if GPU else 1):
-                    assert _same(*_both(x, dtype, *copies, splits, programs, **kw)), (shape, dtype, kw, programs)
+                    assert same_bits(*_both(x, dtype, *copies, splits, programs, **kw)), (shape, dtype, kw, programs)
 
 
 @pytest.mark.skipif(not GPU, reason="streams and graphs need CUDA")
@@ -97,7 +89,7 @@ def test_one_launch_on_streams_and_in_graphs(per_sm: int, monkeypatch: pytest.Mo
                 outs[i].append(triton_cast.cast_current(x, E4, True, True, one_launch=True, **kw))
     torch.cuda.synchronize()
     for i in range(2):
-        assert all(_same(o, want[i]) for o in outs[i])
+        assert all(same_bits(o, want[i]) for o in outs[i])
     # two graphs captured on one stream (each launch gets its own sync words), an eager cast on
     # that stream between the captures, replays in any order and on two streams at once
     statics = [x.clone() for x in xs]
@@ -111,18 +103,18 @@ def test_one_launch_on_streams_and_in_graphs(per_sm: int, monkeypatch: pytest.Mo
             with torch.cuda.stream(capture):
                 eager = triton_cast.cast_current(xs[1], E4, True, True, one_launch=True, **kw)
             torch.cuda.synchronize()
-            assert _same(eager, want[1])
+            assert same_bits(eager, want[1])
     for order in ((0, 1), (1, 0)):
         for i in order:
             graphs[i].replay()
         torch.cuda.synchronize()
-        assert all(_same(got[i], want[i]) for i in range(2))
+        assert all(same_bits(got[i], want[i]) for i in range(2))
     for _ in range(10):
         for graph, st in zip(graphs, streams):
             with torch.cuda.stream(st):
                 graph.replay()
     torch.cuda.synchronize()
-    assert all(_same(got[i], want[i]) for i in range(2))
+    assert all(same_bits(got[i], want[i]) for i in range(2))
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +170,8 @@ def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypa
     monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: True)
     monkeypatch.setattr(kernels._one_launch, "ok", True)
     x = _input((256, 256), None)
-    want = triton_cast.cast_current(x, E4, True, True, one_launch=False)
+    row, col, scale, inv = triton_cast.cast_current(x, E4, True, True, one_launch=False)
+    want = (row, col, scale.view(()), inv.view(()))  # kernels.cast_current's scales are 0-dim
 
     def cast() -> object:
         return kernels.cast_current(x, E4, True, True, power_2_scale=False, amax_epsilon=0.0)
@@ -186,7 +179,7 @@ def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypa
     if falls_back:
         with pytest.warns(RuntimeWarning, match="one-launch current-scaling cast unavailable"):
             got = cast()
-        assert _same(got, want) and not kernels._one_launch.ok
+        assert same_bits(got, want) and not kernels._one_launch.ok
     else:
         with pytest.raises(type(error)):
             cast()
@@ -218,7 +211,7 @@ def test_successive_launches_and_many_segments() -> None:
         m = sum(splits) if splits is not None else 512
         base = torch.randn(m, k, device=DEV).bfloat16()
         for factor in (64.0, 8.0, 1.0, 0.125) if GPU else (1.0,):  # the interpreter: slow, and fresh words each time
-            assert _same(*_both(base * factor, E4, True, True, splits)), (splits, factor)
+            assert same_bits(*_both(base * factor, E4, True, True, splits)), (splits, factor)
     if GPU:  # no launch of this module's tests was refused (two programs per SM fit)
         assert not triton_persistent._per_sm
 

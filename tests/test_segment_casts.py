@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
+from megatron_fp8.testing import bits
 
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -22,22 +23,18 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4 = torch.float8_e4m3fn
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
 def _equal_per_expert(q: object, x: torch.Tensor, splits: list[int]) -> None:
     fused = q.quantize_segments(x, splits, peers=[q] * len(splits), rowwise=True, columnwise=True)
     assert fused is not None, "the one-launch cast should serve these experts"
     for e, (part, got) in enumerate(zip(x.split(splits), fused, strict=True)):
         want = q.quantize(part, rowwise=True, columnwise=True)
         if want.scale is not None:  # per-tensor recipes: the expert's scale itself
-            assert torch.equal(_bits(got.scale), _bits(want.scale)), e
+            assert torch.equal(bits(got.scale), bits(want.scale)), e
         for usage in ("rowwise", "columnwise"):
             g, w = got.operand(usage), want.operand(usage)
-            assert g.data.shape == w.data.shape and torch.equal(_bits(g.data), _bits(w.data)), (e, usage)
+            assert g.data.shape == w.data.shape and torch.equal(bits(g.data), bits(w.data)), (e, usage)
             assert g.scale_inv.shape == w.scale_inv.shape, (e, usage)
-            assert torch.equal(_bits(g.scale_inv), _bits(w.scale_inv)), (e, usage)
+            assert torch.equal(bits(g.scale_inv), bits(w.scale_inv)), (e, usage)
 
 
 def _input(splits: list[int], k: int) -> torch.Tensor:
