@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from benchlib import markdown_table, train_step
@@ -46,17 +47,9 @@ def _grouped_step(recipe: str, k: int = 4096, n: int = 2048) -> Callable[[], Non
 def _graphed(step: Callable[[], None], grouped_gemm: str | None = None) -> Callable[[], None]:
     """``step`` captured in a CUDA graph (``MEGATRON_FP8_GROUPED_GEMM=grouped_gemm`` while
     capturing, where given); returns its replay."""
-    old = os.environ.get("MEGATRON_FP8_GROUPED_GEMM")
-    if grouped_gemm is not None:
-        os.environ["MEGATRON_FP8_GROUPED_GEMM"] = grouped_gemm
-    try:
+    pin = {"MEGATRON_FP8_GROUPED_GEMM": grouped_gemm} if grouped_gemm is not None else {}
+    with mock.patch.dict(os.environ, pin):  # restored afterwards
         graph, _ = capture_step(step)
-    finally:
-        if grouped_gemm is not None:
-            if old is None:
-                del os.environ["MEGATRON_FP8_GROUPED_GEMM"]
-            else:
-                os.environ["MEGATRON_FP8_GROUPED_GEMM"] = old
     keep = (graph, step)  # the graph reads the step's tensors (its layer, x, dy): they live as long as it
     return lambda: keep[0].replay()
 
