@@ -212,14 +212,21 @@ _SB = tl.constexpr(32)
 
 
 @triton.jit
+def _bounds(seg_ptr, base, n_seg):
+    """``(offsets[base + 1 : base + 1 + _SB], mask)``: the next _SB inner boundaries (those of
+    ``offsets[1:n_seg]``), masked past the last."""
+    j = base + 1 + tl.arange(0, _SB)
+    inner = j < n_seg
+    return tl.load(seg_ptr + j, mask=inner, other=0), inner
+
+
+@triton.jit
 def _segment_of_row(row, seg_ptr, n_seg):
     """Segment index of one row (a scalar): ``offsets[e] <= row < offsets[e + 1]`` (the last of
     several equal offsets: empty segments are skipped)."""
-    j = 1 + tl.arange(0, _SB)
     eid = tl.zeros_like(row)
     for base in range(0, n_seg, _SB):
-        inner = base + j < n_seg
-        bound = tl.load(seg_ptr + base + j, mask=inner, other=0)
+        bound, inner = _bounds(seg_ptr, base, n_seg)
         eid += tl.sum(((row >= bound) & inner).to(row.dtype), axis=0)
     return eid
 
@@ -227,11 +234,9 @@ def _segment_of_row(row, seg_ptr, n_seg):
 @triton.jit
 def _segment_of(rows, seg_ptr, n_seg):
     """Segment index of each row of ``rows [T]`` (as ``_segment_of_row``)."""
-    j = 1 + tl.arange(0, _SB)
     eid = tl.zeros_like(rows)
     for base in range(0, n_seg, _SB):
-        inner = base + j < n_seg
-        bound = tl.load(seg_ptr + base + j, mask=inner, other=0)
+        bound, inner = _bounds(seg_ptr, base, n_seg)
         eid += tl.sum(((rows[:, None] >= bound[None, :]) & inner[None, :]).to(rows.dtype), axis=1)
     return eid
 
