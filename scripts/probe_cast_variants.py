@@ -75,8 +75,8 @@ def _split_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_kb,
 
 
 @triton.jit
-def _fp8t_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, FMAX: tl.constexpr, F_EXP: tl.constexpr,
-                 F_MANT: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr):
+def _fp8t_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_kb, FMAX: tl.constexpr,
+                 F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
     offs_k = pid_k * T + tl.arange(0, T)
@@ -94,32 +94,28 @@ def _fp8t_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, FMAX: tl.c
              mask=(offs_k[:, None] < K) & (offs_m[None, :] < M))
 
 
-def _fp8t(x: torch.Tensor, warps: int) -> tuple:
+def _run(kernel: object, lead: tuple[int, ...], x: torch.Tensor, mode: str, warps: int, **const: object) -> tuple:
+    """A variant kernel over ``x``'s 128x128 tiles (grid ``(*lead, tiles down, tiles across)``),
+    its outputs laid out as ``triton_cast.cast_tiles`` returns them."""
     m, k = x.shape
     n_mb, n_kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
-    row = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    col = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
-    row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=x.device)
-    col_s = torch.empty((n_mb, k), dtype=torch.float32, device=x.device)
-    fmax, f_exp, f_mant, out = tc._fp8_consts(torch.float8_e4m3fn)
-    _fp8t_kernel[(n_mb, n_kb)](x, row, row_s, col, col_s, m, k, FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out,
-                               T=128, num_warps=warps)
-    return (row, row_s.view(n_kb, m).t()), (col, col_s.t())
-
-
-def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
-    m, k = x.shape
-    n_mb, n_kb = triton.cdiv(m, 128), triton.cdiv(k, 128)
-    row = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    col = torch.empty((k, m), dtype=torch.float8_e4m3fn, device=x.device)
+    row, col = tc.fp8_copies(x, torch.float8_e4m3fn, True, True, False)
     row_s = torch.empty((n_kb * m,) if mode == "1x128" else (n_mb, n_kb), dtype=torch.float32, device=x.device)
     col_s = torch.empty((n_mb, k), dtype=torch.float32, device=x.device)
     fmax, f_exp, f_mant, out = tc._fp8_consts(torch.float8_e4m3fn)
-    _split_kernel[(2, n_mb, n_kb)](x, row, row_s, col, col_s, m, k, n_kb, MODE=tc._MODES[mode], FMAX=fmax,
-                                   F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=128, num_warps=warps)
+    kernel[(*lead, n_mb, n_kb)](x, row, row_s, col, col_s, m, k, n_kb, FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant,
+                                OUT=out, T=128, num_warps=warps, **const)
     if mode == "1x128":
         return (row, row_s.view(n_kb, m).t()), (col, col_s.t())
     return (row, row_s), (col, row_s.t().contiguous())
+
+
+def _fp8t(x: torch.Tensor, warps: int) -> tuple:
+    return _run(_fp8t_kernel, (), x, "1x128", warps)
+
+
+def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
+    return _run(_split_kernel, (2,), x, mode, warps, MODE=tc._MODES[mode])
 
 
 def _same(a: tuple, b: tuple) -> bool:
