@@ -10,6 +10,9 @@ Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_
 - ``split``: two programs per tile, adjacent in launch order (so they run together and the
   second read is an L2 hit): one writes the rowwise copy, the other the columnwise copy. Half
   the work and registers per program, twice the programs.
+- ``cap``: the package's kernel built with a register cap (80 or 64 a thread at 8 warps: 3 or 4
+  programs an SM instead of 2; ``ptxas`` spills 24 and 144 bytes for the 1x128 cast,
+  ``scripts/kernel_resources.py``), for more loads in flight per SM;
 - ``fp8t`` (1x128 only): one program, one load; the column scales from the loaded tile's column
   maxima, the tile quantized with them and the FP8 result transposed (as the 128x128 cast does
   with its one scale), instead of re-reading the tile transposed.
@@ -118,6 +121,15 @@ def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
     return _run(_split_kernel, (2,), x, mode, warps, MODE=tc._MODES[mode])
 
 
+def _capped(x: torch.Tensor, mode: str, cap: int) -> tuple:
+    """The package's cast built with at most ``cap`` registers a thread (``CAST_MAXNREG``)."""
+    tc.CAST_MAXNREG[mode] = cap
+    try:
+        return tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
+    finally:
+        del tc.CAST_MAXNREG[mode]
+
+
 def _same(a: tuple, b: tuple) -> bool:
     """Two casts' ``((row, row_s), (col, col_s))`` bit for bit."""
     return same_bits([*a[0], *a[1]], [*b[0], *b[1]])
@@ -154,7 +166,7 @@ def segments(lookup: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="*", choices=("split", "fp8t"), default=["split", "fp8t"])
+    p.add_argument("--variants", nargs="*", choices=("split", "fp8t", "cap"), default=["split", "fp8t", "cap"])
     p.add_argument("--segments", action="store_true")
     p.add_argument("--lookup", choices=("package", "old"), default="package")
     args = p.parse_args()
@@ -175,6 +187,8 @@ def variants(kinds: set[str]) -> None:
                  for w in (4, 8, 16) if "split" in kinds]
         tried += [(f"fp8t, {w} warps", lambda x, w=w: _fp8t(x, w))
                   for w in (4, 8, 16) if "fp8t" in kinds and mode == "1x128"]
+        tried += [(f"package, maxnreg {c}", lambda x, mode=mode, c=c: _capped(x, mode, c))
+                  for c in (80, 64) if "cap" in kinds]
         if not tried:
             continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -60,6 +60,7 @@ from .tensor import aligned_scalars
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
+CAST_MAXNREG: dict[str, int] = {}  # mode: a register cap for its casts (more programs an SM); probe_cast_variants.py
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 SCALE_STRIDE = tl.constexpr(STRIDE)  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 
@@ -457,7 +458,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
         FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE,
         num_warps=cast_warps(mode, rowwise, columnwise, offsets is None or aligned),
-        **extra,
+        **extra, **({"maxnreg": CAST_MAXNREG[mode]} if mode in CAST_MAXNREG else {}),
     )
     return row, row_s, col, col_s
 
