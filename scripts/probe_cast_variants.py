@@ -10,12 +10,13 @@ Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_
 - ``split``: two programs per tile, adjacent in launch order (so they run together and the
   second read is an L2 hit): one writes the rowwise copy, the other the columnwise copy. Half
   the work and registers per program, twice the programs.
-- ``cap``: the package's kernel built with a register cap (80 or 64 a thread at 8 warps: 3 or 4
-  programs an SM instead of 2; ``ptxas`` spills 24 and 144 bytes for the 1x128 cast,
-  ``scripts/kernel_resources.py``), for more loads in flight per SM;
 - ``fp8t`` (1x128 only): one program, one load; the column scales from the loaded tile's column
   maxima, the tile quantized with them and the FP8 result transposed (as the 128x128 cast does
   with its one scale), instead of re-reading the tile transposed.
+
+``--loop``: the package's block casts (plain and 8 experts) as a loop over tiles whose loads
+Triton pipelines (``triton_cast.LOOP_STAGES`` deep, ``LOOP_PROGRAMS_PER_SM`` programs an SM),
+against one tile per program.
 
 Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read and written as a
 row + column cast), and the package's row-only and column-only casts (3 bytes per element).
@@ -121,15 +122,6 @@ def _split(x: torch.Tensor, mode: str, warps: int) -> tuple:
     return _run(_split_kernel, (2,), x, mode, warps, MODE=tc._MODES[mode])
 
 
-def _capped(x: torch.Tensor, mode: str, cap: int) -> tuple:
-    """The package's cast built with at most ``cap`` registers a thread (``CAST_MAXNREG``)."""
-    tc.CAST_MAXNREG[mode] = cap
-    try:
-        return tc.cast_tiles(x, torch.float8_e4m3fn, mode, True, True)
-    finally:
-        del tc.CAST_MAXNREG[mode]
-
-
 def _same(a: tuple, b: tuple) -> bool:
     """Two casts' ``((row, row_s), (col, col_s))`` bit for bit."""
     return same_bits([*a[0], *a[1]], [*b[0], *b[1]])
@@ -142,6 +134,44 @@ def _segment_of_row_old(row, seg_ptr, n_seg):
     for j in range(1, n_seg):
         eid += (row >= tl.load(seg_ptr + j)).to(row.dtype)
     return eid
+
+
+def loops() -> None:
+    """The block casts as a pipelined loop over tiles, at several depths and programs an SM,
+    against one tile per program (bits checked against it)."""
+    rows = []
+    splits = [2048] * 8
+    offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
+    e4 = torch.float8_e4m3fn
+    default = tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM
+    for label, k, mode in (("x 16384x4096", 4096, "1x128"), ("dy 16384x2048", 2048, "1x128"),
+                           ("w 16384x4096", 4096, "128x128")):
+        x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
+        for experts in (False, True):
+            def cast(x=x, mode=mode, experts=experts):
+                if experts:
+                    return tc.cast_segments(x, offsets, splits, e4, mode, True, True)
+                row, col = tc.cast_tiles(x, e4, mode, True, True)
+                return (*row, *col)
+
+            name = f"{label}{', 8 experts' if experts else ''}"
+            tc.LOOP_STAGES = 0
+            ref = cast()
+            base = median_ms(cast)
+            rows.append([name, mode, "one tile a program", f"{base * 1e3:.1f}", "1.00x"])
+            for stages in (2, 3, 4):
+                for per_sm in (1, 2):
+                    tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM = stages, per_sm
+                    try:
+                        if not same_bits(cast(), ref):
+                            rows.append([name, mode, f"loop {stages} stages, {per_sm}/SM", "MISMATCH", ""])
+                            continue
+                        ms = median_ms(cast)
+                    finally:
+                        tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM = default
+                    rows.append([name, mode, f"loop {stages} stages, {per_sm}/SM", f"{ms * 1e3:.1f}",
+                                 f"{base / ms:.2f}x"])
+    print(markdown_table(["tensor", "mode", "cast", "us", "vs one tile a program"], rows))
 
 
 def segments(lookup: str) -> None:
@@ -166,13 +196,17 @@ def segments(lookup: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="*", choices=("split", "fp8t", "cap"), default=["split", "fp8t", "cap"])
+    p.add_argument("--variants", nargs="*", choices=("split", "fp8t"), default=["split", "fp8t"])
+    p.add_argument("--loop", action="store_true", help="the package's cast as a pipelined loop over tiles")
     p.add_argument("--segments", action="store_true")
     p.add_argument("--lookup", choices=("package", "old"), default="package")
     args = p.parse_args()
     print(environment())
     if args.segments:
         segments(args.lookup)
+        return
+    if args.loop:
+        loops()
         return
     variants(set(args.variants))
 
@@ -187,8 +221,6 @@ def variants(kinds: set[str]) -> None:
                  for w in (4, 8, 16) if "split" in kinds]
         tried += [(f"fp8t, {w} warps", lambda x, w=w: _fp8t(x, w))
                   for w in (4, 8, 16) if "fp8t" in kinds and mode == "1x128"]
-        tried += [(f"package, maxnreg {c}", lambda x, mode=mode, c=c: _capped(x, mode, c))
-                  for c in (80, 64) if "cap" in kinds]
         if not tried:
             continue
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
