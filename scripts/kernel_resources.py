@@ -39,11 +39,10 @@ _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), 
                 ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_tn", "n_tk")]
 
 
-def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool = True, loop: int = 0
-               ) -> dict[str, Any]:
+def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool = True) -> dict[str, Any]:
     return dict(MODE=tc._MODES[mode], DO_ROW=row, DO_COL=col, SEG=seg, ALIGNED=seg, FMAX=448.0, F_EXP=8, F_MANT=3,
                 OUT=tl.float8e4nv, T=tc.TILE, FUSED=fused and mode == "tensor", R_AMAX=16, EPS=0.0, POW2=False,
-                BP=1024, LOOP=loop, LOOP_SB=8 if loop else 0)
+                BP=1024)
 
 
 def _persistent_case(row: bool, col: bool, seg: bool, pipe: bool = False, hints: bool = False) -> dict[str, Any]:
@@ -61,14 +60,6 @@ CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
     "cast 1x128 row": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", True, False), 0),
     "cast 1x128 col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("1x128", False, True), 0),
     "cast 128x128 row+col": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("128x128", True, True), 0),
-    "cast 1x128 row+col, loop of 2 stages": (tc._cast_tile_kernel, _CAST_ARGS,
-                                             _cast_case("1x128", True, True, loop=2), 0),
-    "cast 1x128 row+col, loop of 3 stages": (tc._cast_tile_kernel, _CAST_ARGS,
-                                             _cast_case("1x128", True, True, loop=3), 0),
-    "cast 1x128 row+col, experts, loop of 3 stages": (tc._cast_tile_kernel, _CAST_ARGS,
-                                                      _cast_case("1x128", True, True, True, loop=3), 0),
-    "cast 128x128 row+col, loop of 3 stages": (tc._cast_tile_kernel, _CAST_ARGS,
-                                               _cast_case("128x128", True, True, loop=3), 0),
     "cast tensor row+col (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True), 0),
     "cast tensor row (fused scale)": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, False), 0),
     "cast tensor row+col (given scale)": (tc._cast_tile_kernel, _CAST_ARGS,

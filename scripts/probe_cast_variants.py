@@ -14,10 +14,6 @@ Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_
   maxima, the tile quantized with them and the FP8 result transposed (as the 128x128 cast does
   with its one scale), instead of re-reading the tile transposed.
 
-``--loop``: the package's block casts (plain and 8 experts) as a loop over tiles whose loads
-Triton pipelines (``triton_cast.LOOP_STAGES`` deep, ``LOOP_PROGRAMS_PER_SM`` programs an SM),
-against one tile per program.
-
 Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read and written as a
 row + column cast), and the package's row-only and column-only casts (3 bytes per element).
 
@@ -136,44 +132,6 @@ def _segment_of_row_old(row, seg_ptr, n_seg):
     return eid
 
 
-def loops() -> None:
-    """The block casts as a pipelined loop over tiles, at several depths and programs an SM,
-    against one tile per program (bits checked against it)."""
-    rows = []
-    splits = [2048] * 8
-    offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
-    e4 = torch.float8_e4m3fn
-    default = tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM
-    for label, k, mode in (("x 16384x4096", 4096, "1x128"), ("dy 16384x2048", 2048, "1x128"),
-                           ("w 16384x4096", 4096, "128x128")):
-        x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
-        for experts in (False, True):
-            def cast(x=x, mode=mode, experts=experts):
-                if experts:
-                    return tc.cast_segments(x, offsets, splits, e4, mode, True, True)
-                row, col = tc.cast_tiles(x, e4, mode, True, True)
-                return (*row, *col)
-
-            name = f"{label}{', 8 experts' if experts else ''}"
-            tc.LOOP_STAGES = 0
-            ref = cast()
-            base = median_ms(cast)
-            rows.append([name, mode, "one tile a program", f"{base * 1e3:.1f}", "1.00x"])
-            for stages in (2, 3, 4):
-                for per_sm in (1, 2):
-                    tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM = stages, per_sm
-                    try:
-                        if not same_bits(cast(), ref):
-                            rows.append([name, mode, f"loop {stages} stages, {per_sm}/SM", "MISMATCH", ""])
-                            continue
-                        ms = median_ms(cast)
-                    finally:
-                        tc.LOOP_STAGES, tc.LOOP_PROGRAMS_PER_SM = default
-                    rows.append([name, mode, f"loop {stages} stages, {per_sm}/SM", f"{ms * 1e3:.1f}",
-                                 f"{base / ms:.2f}x"])
-    print(markdown_table(["tensor", "mode", "cast", "us", "vs one tile a program"], rows))
-
-
 def segments(lookup: str) -> None:
     if lookup == "old":
         tc._segment_of_row = _segment_of_row_old
@@ -197,16 +155,12 @@ def segments(lookup: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", choices=("split", "fp8t"), default=["split", "fp8t"])
-    p.add_argument("--loop", action="store_true", help="the package's cast as a pipelined loop over tiles")
     p.add_argument("--segments", action="store_true")
     p.add_argument("--lookup", choices=("package", "old"), default="package")
     args = p.parse_args()
     print(environment())
     if args.segments:
         segments(args.lookup)
-        return
-    if args.loop:
-        loops()
         return
     variants(set(args.variants))
 

@@ -60,10 +60,6 @@ from .tensor import aligned_scalars
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
-# Block casts (1x128, 128x128) as a loop over tiles, loads pipelined this deep (0: one tile a
-# program), on LOOP_PROGRAMS_PER_SM programs an SM (probe_cast_variants.py --variants loop)
-LOOP_STAGES = 0
-LOOP_PROGRAMS_PER_SM = 2
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 SCALE_STRIDE = tl.constexpr(STRIDE)  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 
@@ -236,16 +232,6 @@ def _segment_of_row(row, seg_ptr, n_seg):
 
 
 @triton.jit
-def _segment_of_row_at_once(row, seg_ptr, n_seg, SB: tl.constexpr):
-    """``_segment_of_row`` in one vector load of ``SB >= n_seg - 1`` boundaries, without a loop
-    (Triton pipelines no loop that holds another)."""
-    j = 1 + tl.arange(0, SB)
-    inner = j < n_seg
-    bound = tl.load(seg_ptr + j, mask=inner, other=0)
-    return tl.sum(((row >= bound) & inner).to(row.dtype), axis=0)
-
-
-@triton.jit
 def _segment_of(rows, seg_ptr, n_seg):
     """Segment index of each row of ``rows [T]`` (as ``_segment_of_row``)."""
     eid = tl.zeros_like(rows)
@@ -269,33 +255,9 @@ def _cast_tile_kernel(
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr, LOOP: tl.constexpr, LOOP_SB: tl.constexpr,
+    BP: tl.constexpr,
 ):
-    """One 128x128 tile per program (grid ``(n_mb, n_kb)``), or with ``LOOP`` (its pipeline
-    depth) a grid of ``(P,)`` programs, each casting tiles ``pid, pid + P, ...`` in a loop whose
-    tile loads Triton issues ``LOOP - 1`` tiles ahead (asynchronous copies into shared memory);
-    ``LOOP_SB``: the segment lookup's width then (a power of two >= ``n_seg - 1``)."""
-    if LOOP:
-        for t in tl.range(tl.program_id(0), n_mb * n_kb, tl.num_programs(0), num_stages=LOOP):
-            _cast_tile(t // n_kb, t % n_kb, x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr,
-                       seg_ptr, part_ptr, inv_ptr, M, K, n_kb, n_seg, n_part, S_PART, MODE, DO_ROW, DO_COL, SEG,
-                       ALIGNED, FMAX, F_EXP, F_MANT, OUT, T, FUSED, R_AMAX, EPS, POW2, BP, LOOP_SB)
-    else:
-        _cast_tile(tl.program_id(0), tl.program_id(1), x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr,
-                   tensor_scale_ptr, seg_ptr, part_ptr, inv_ptr, M, K, n_kb, n_seg, n_part, S_PART, MODE, DO_ROW,
-                   DO_COL, SEG, ALIGNED, FMAX, F_EXP, F_MANT, OUT, T, FUSED, R_AMAX, EPS, POW2, BP, 0)
-
-
-@triton.jit
-def _cast_tile(
-    pid_m, pid_k, x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
-    part_ptr, inv_ptr, M, K, n_kb, n_seg, n_part, S_PART,
-    MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
-    ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
-    T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr, LOOP_SB: tl.constexpr,
-):
-    """Tile ``(pid_m, pid_k)``: its copies and scales (the table in the module doc)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
     offs_k = pid_k * T + tl.arange(0, T)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
@@ -305,10 +267,7 @@ def _cast_tile(
     rows64 = offs_m.to(tl.int64)
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
         if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
-            if LOOP_SB:
-                eid = _segment_of_row_at_once(pid_m.to(tl.int64) * T, seg_ptr, n_seg, LOOP_SB)
-            else:
-                eid = _segment_of_row(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
+            eid = _segment_of_row(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
             start = tl.multiple_of(tl.load(seg_ptr + eid), T)  # the hints keep the stores vectorized
             length = tl.multiple_of(tl.load(seg_ptr + eid + 1) - start, T)
         else:  # tensor mode only: a tile may span segments, so per row ([1, T] for the transposed store)
@@ -443,16 +402,6 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _programs(device: torch.device) -> int:
-    """SMs of ``device`` (Triton's interpreter: 4)."""
-    return _sm_count(device) if device.type == "cuda" else 4
-
-
 def cast_warps(mode: str, rowwise: bool, columnwise: bool, transposed_load: bool = True) -> int:
     """Warps per cast tile: 8, but 4 for the column-only casts (the flagged backward's cast of
     the saved input): 1x128 ran 278 vs 326 us with 4 in two sweeps on an H200 (docs), and with
@@ -501,15 +450,12 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
                                     POW2=fused.pow2 if fused else False, BP=1024)
-    loop = LOOP_STAGES if mode != "tensor" else 0
-    grid = (min(n_mb * n_kb, _programs(dev) * LOOP_PROGRAMS_PER_SM),) if loop else (n_mb, n_kb)
-    _CAST(grid,
+    _CAST((n_mb, n_kb),
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,
-        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE, LOOP=loop,
-        LOOP_SB=triton.next_power_of_2(max(n_seg - 1, 1)) if loop else 0,
+        FMAX=fmax, F_EXP=f_exp, F_MANT=f_mant, OUT=out, T=TILE,
         num_warps=cast_warps(mode, rowwise, columnwise, offsets is None or aligned),
         **extra,
     )
