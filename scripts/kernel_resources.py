@@ -45,9 +45,9 @@ def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool =
                 BP=1024)
 
 
-def _persistent_case(row: bool, col: bool, seg: bool, pipe: bool = False, hints: bool = False) -> dict[str, Any]:
+def _persistent_case(row: bool, col: bool, seg: bool) -> dict[str, Any]:
     return dict(DO_ROW=row, DO_COL=col, SEG=seg, FMAX=448.0, OUT=tl.float8e4nv, T=tc.TILE, EPS=0.0, POW2=False, BE=128,
-                PHASES=0, PIPE=pipe, HINTS=hints)
+                PHASES=0)
 
 
 def _rows_case(blocked: bool, imprecise: int | None) -> dict[str, Any]:
@@ -67,8 +67,6 @@ CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
     "cast tensor row+col, experts": (tc._cast_tile_kernel, _CAST_ARGS, _cast_case("tensor", True, True, True), 0),
     "cast tensor row+col, one launch, experts": (tp._current_persistent_kernel, _PERSISTENT_ARGS,
                                                  _persistent_case(True, True, True), 0),
-    "cast tensor row+col, one launch, experts, pipelined + hints": (
-        tp._current_persistent_kernel, _PERSISTENT_ARGS, _persistent_case(True, True, True, True, True), 0),
     "cast tensor col, one launch": (tp._current_persistent_kernel, _PERSISTENT_ARGS,
                                     _persistent_case(False, True, False), 0),
     "grouped rows, tensor, fast": (tg._rows_kernel, _ROWS_ARGS, _rows_case(False, None), 3),

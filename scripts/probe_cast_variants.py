@@ -14,6 +14,9 @@ Variants of the row + column cast of one 128x128 tile per program (``_cast_tile_
   maxima, the tile quantized with them and the FP8 result transposed (as the 128x128 cast does
   with its one scale), instead of re-reading the tile transposed.
 
+Both were slower than the package on an H200 (docs/benchmarks.md runs S and T: x 16384x4096,
+split 119.7 and fp8t 118.2 us at best, package 112.6-113.2).
+
 Yardsticks: ``torch.clone`` of the input (DRAM copy rate: the same bytes read and written as a
 row + column cast), and the package's row-only and column-only casts (3 bytes per element).
 

@@ -49,29 +49,14 @@ SPLITS = ([None, [128, 1920, 384, 256, 1280], [128] * 37, [2048] * 8] if GPU
           else [None, [128, 384, 256, 640], [128] * 11])  # smaller where the interpreter runs them
 SHAPES_K = [512, 200] if GPU else [200]
 OPTIONS = [(E4, {}), (E5, dict(power_2_scale=True)), (E4, dict(amax_epsilon=1e-3))]
-# (PIPELINE, L2_HINTS): the barrier schedule, the experts' segment-by-segment schedule with L2
-# hints, and (CUDA) the barrier schedule with hints; the hints change no arithmetic
-SCHEDULES = [(False, False), (True, True)] + ([(False, True)] if GPU else [])
-
-
-@pytest.fixture(params=SCHEDULES, ids=lambda p: ("pipelined" if p[0] else "barrier") + ("+hints" if p[1] else ""))
-def schedule(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[bool, bool]:
-    """The cast's schedule for this test (module switches, restored after it)."""
-    pipe, hints = request.param
-    monkeypatch.setattr(triton_persistent, "PIPELINE", pipe)
-    monkeypatch.setattr(triton_persistent, "L2_HINTS", hints)
-    return pipe, hints
 
 
 @pytest.mark.parametrize("copies", [(True, True), (True, False), (False, True)], ids=["row+col", "row", "col"])
 @pytest.mark.parametrize("splits", SPLITS, ids=lambda s: "tensor" if s is None else f"{len(s)}seg")
-def test_one_launch_equals_two(splits: list[int] | None, copies: tuple[bool, bool],
-                               schedule: tuple[bool, bool]) -> None:
+def test_one_launch_equals_two(splits: list[int] | None, copies: tuple[bool, bool]) -> None:
     """Data and scales, every copy, both formats, power-of-two scales and an epsilon, zeros, NaN
-    and inf, odd shapes, at several grid sizes (a program's tiles may span segments, or its share
-    of a segment be empty); on CUDA each launched three times (the sync words reset themselves)."""
-    if splits is None and schedule[0]:
-        pytest.skip("the segment-by-segment schedule is the barrier's for one segment")
+    and inf, odd shapes, at several grid sizes (a program's tiles may span segments); on CUDA each
+    launched three times (the sync words reset themselves)."""
     if splits is not None:
         shapes = [(sum(splits), k) for k in SHAPES_K]
     else:
@@ -218,7 +203,6 @@ def test_fused_guard_passes_caller_errors_on(error: Exception, monkeypatch: pyte
     assert kernels._fused_current.ok
 
 
-@pytest.mark.usefixtures("schedule")
 def test_successive_launches_and_many_segments() -> None:
     """Launches one after another with falling amaxes (a sync word left set by the one before
     would raise this one's amax, and change its bits), and more segments than one 128-wide

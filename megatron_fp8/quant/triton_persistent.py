@@ -74,36 +74,22 @@ def _tile(t, n_kb, M, K, T: tl.constexpr):
 
 
 @triton.jit
-def _tile_amax_bits(x_ptr, t, n_kb, M, K, T: tl.constexpr, KEEP: tl.constexpr):
-    """max |x| over tile ``t`` as FP32 bits; ``KEEP``: its lines marked to stay in L2 (the cast
-    re-reads them)."""
+def _tile_amax_bits(x_ptr, t, n_kb, M, K, T: tl.constexpr):
+    """max |x| over tile ``t`` as FP32 bits."""
     rows, offs_k, mask = _tile(t, n_kb, M, K, T)
-    ptrs = x_ptr + rows[:, None] * K + offs_k[None, :]
-    if KEEP:
-        v = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-    else:
-        v = tl.load(ptrs, mask=mask, other=0.0)
+    v = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
     return tl.max(tl.max(v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
 
 
 @triton.jit
 def _cast_tile(x_ptr, row_ptr, col_ptr, t, n_kb, M, K, s, start, length, DO_ROW: tl.constexpr,
-               DO_COL: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr,
-               HINTS: tl.constexpr):
+               DO_COL: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr, T: tl.constexpr):
     """Tile ``t`` cast with ``s``: its rowwise tile, and its columnwise one into the copy of the
-    segment at rows ``[start, start + length)`` (the whole ``[K, M]`` without segments).
-    ``HINTS``: the tile's lines and the FP8 stores marked first to leave L2 (what the amax pass
-    marked to stay is what the next tiles re-read)."""
+    segment at rows ``[start, start + length)`` (the whole ``[K, M]`` without segments)."""
     rows, offs_k, mask = _tile(t, n_kb, M, K, T)
     if DO_ROW:
-        ptrs = x_ptr + rows[:, None] * K + offs_k[None, :]
-        if HINTS:
-            x = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            tl.store(row_ptr + rows[:, None] * K + offs_k[None, :], _quantize(x, s, FMAX, OUT), mask=mask,
-                     eviction_policy="evict_first")
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(row_ptr + rows[:, None] * K + offs_k[None, :], _quantize(x, s, FMAX, OUT), mask=mask)
+        x = tl.load(x_ptr + rows[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(row_ptr + rows[:, None] * K + offs_k[None, :], _quantize(x, s, FMAX, OUT), mask=mask)
     if DO_COL:
         if DO_ROW:  # the quantized tile transposed: [T(k), T(m)]
             q = tl.trans(_quantize(x, s, FMAX, OUT))
@@ -111,11 +97,7 @@ def _cast_tile(x_ptr, row_ptr, col_ptr, t, n_kb, M, K, s, start, length, DO_ROW:
             q = _quantize(_load_transposed(x_ptr, rows, rows, offs_k, M, K), s, FMAX, OUT)
         # a segment's copy is [K, m_e] at offset K * start (the whole [K, M] without segments)
         dst = tl.multiple_of(start * K, T) + offs_k[:, None].to(tl.int64) * length + (rows[None, :] - start)
-        col_mask = (offs_k[:, None] < K) & (rows[None, :] < M)
-        if HINTS:
-            tl.store(col_ptr + dst, q, mask=col_mask, eviction_policy="evict_first")
-        else:
-            tl.store(col_ptr + dst, q, mask=col_mask)
+        tl.store(col_ptr + dst, q, mask=(offs_k[:, None] < K) & (rows[None, :] < M))
 
 
 @triton.jit
@@ -129,110 +111,71 @@ def _current_persistent_kernel(
     x_ptr, row_ptr, col_ptr, scale_ptr, inv_ptr, seg_ptr, sync_ptr, M, K, n_kb, n_seg,
     DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr, FMAX: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, BE: tl.constexpr, PHASES: tl.constexpr,
-    PIPE: tl.constexpr, HINTS: tl.constexpr,
 ):
     """``PHASES`` 0: the whole cast, with the barrier; 1 / 2: only the amax / only the cast, as two
-    launches of the same grid (for Triton's interpreter, which cannot run a barrier). ``PIPE``
-    (segments only): segment by segment, every program's share of each (see the module doc)."""
+    launches of the same grid (for Triton's interpreter, which cannot run a barrier)."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    amax_ptr = sync_ptr + 4  # sync words: arrivals, departures, 2 unused, an amax per segment, then
-    cnt_ptr = amax_ptr + n_seg  # (PIPE) per segment the programs done with its amax
-    if PIPE:
-        # phase p: the amax of segment p, then the cast of segment p - 1, whose amax every
-        # program finished a phase earlier (so the wait rarely waits)
-        for p in range(0, n_seg + 1):
-            if PHASES != 2:
-                if p < n_seg:
-                    ts = (tl.load(seg_ptr + p) // T) * n_kb
-                    n_e = (tl.load(seg_ptr + p + 1) // T) * n_kb - ts
+    amax_ptr = sync_ptr + 4  # sync words: arrivals, departures, 2 unused, then one amax per segment
+    n_tiles = tl.cdiv(M, T).to(tl.int64) * n_kb
+    lo = pid * n_tiles // n_prog  # this program's tiles: [lo, hi), row-major (k fastest), never empty
+    hi = (pid + 1) * n_tiles // n_prog
+    if PHASES != 2:
+        # 1. amax of this program's tiles, per segment (folded in when the tiles leave a segment)
+        e = 0
+        end = tl.zeros((), dtype=tl.int64) + M
+        if SEG:  # segments are whole row tiles (multiples of T rows)
+            e = _segment_of_row((lo // n_kb) * T, seg_ptr, n_seg)
+            end = tl.load(seg_ptr + e + 1)
+        acc = tl.zeros((), dtype=tl.int32)
+        for t in range(lo, hi):
+            if SEG:
+                while (t // n_kb) * T >= end:
+                    tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
                     acc = tl.zeros((), dtype=tl.int32)
-                    for t in range(ts + pid * n_e // n_prog, ts + (pid + 1) * n_e // n_prog):
-                        acc = tl.maximum(acc, _tile_amax_bits(x_ptr, t, n_kb, M, K, T, HINTS))
-                    tl.atomic_max(amax_ptr + p, acc, sem="relaxed")
-                    tl.atomic_add(cnt_ptr + p, 1, sem="release")
-            if PHASES != 1:
-                if p > 0:
-                    c = p - 1
-                    if PHASES == 0:
-                        while tl.atomic_add(cnt_ptr + c, 0, sem="acquire") < n_prog:
-                            pass
-                    start = tl.multiple_of(tl.load(seg_ptr + c), T)
-                    length = tl.multiple_of(tl.load(seg_ptr + c + 1) - start, T)
-                    s, inv = _segment_scale(amax_ptr, c, FMAX, EPS, POW2)
-                    if pid == 0:
-                        tl.store(scale_ptr + c * SCALE_STRIDE, s)
-                        tl.store(inv_ptr + c * SCALE_STRIDE, inv)
-                    ts = (start // T) * n_kb
-                    n_e = (length // T) * n_kb
-                    lo = ts + pid * n_e // n_prog
-                    hi = ts + (pid + 1) * n_e // n_prog
-                    for i in range(0, hi - lo):  # last read first
-                        _cast_tile(x_ptr, row_ptr, col_ptr, hi - 1 - i, n_kb, M, K, s, start, length,
-                                   DO_ROW, DO_COL, FMAX, OUT, T, HINTS)
-    else:
-        n_tiles = tl.cdiv(M, T).to(tl.int64) * n_kb
-        lo = pid * n_tiles // n_prog  # this program's tiles: [lo, hi), row-major (k fastest), never empty
-        hi = (pid + 1) * n_tiles // n_prog
-        if PHASES != 2:
-            # 1. amax of this program's tiles, per segment (folded in when the tiles leave a segment)
-            e = 0
-            end = tl.zeros((), dtype=tl.int64) + M
-            if SEG:  # segments are whole row tiles (multiples of T rows)
-                e = _segment_of_row((lo // n_kb) * T, seg_ptr, n_seg)
-                end = tl.load(seg_ptr + e + 1)
-            acc = tl.zeros((), dtype=tl.int32)
-            for t in range(lo, hi):
-                if SEG:
-                    while (t // n_kb) * T >= end:
-                        tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
-                        acc = tl.zeros((), dtype=tl.int32)
-                        e += 1
-                        end = tl.load(seg_ptr + e + 1)
-                acc = tl.maximum(acc, _tile_amax_bits(x_ptr, t, n_kb, M, K, T, HINTS))
-            tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
-        if PHASES == 0:
-            # 2. every program's amaxes are in: the barrier
-            tl.atomic_add(sync_ptr, 1, sem="release")
-            while tl.atomic_add(sync_ptr, 0, sem="acquire") < n_prog:
-                pass
-        if PHASES != 1:
-            if pid == 0:  # publish every segment's scale and 1/scale
-                for b in range(0, n_seg, BE):
-                    offs = b + tl.arange(0, BE)
-                    a = tl.load(amax_ptr + offs, mask=offs < n_seg, other=0, volatile=True).to(tl.float32,
-                                                                                                bitcast=True)
-                    s_all, inv_all = _tensor_scale(a, FMAX, EPS, 1.0, POW2)
-                    tl.store(scale_ptr + offs * SCALE_STRIDE, s_all, mask=offs < n_seg)
-                    tl.store(inv_ptr + offs * SCALE_STRIDE, inv_all, mask=offs < n_seg)
-            # 3. the cast of the same tiles, last read first (still in L2)
-            e = 0
-            start = tl.zeros((), dtype=tl.int64)
-            length = tl.zeros((), dtype=tl.int64) + M
-            if SEG:  # the hints keep the column copy's stores 16 bytes wide
-                e = _segment_of_row(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
-                start = tl.multiple_of(tl.load(seg_ptr + e), T)
-                length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
-            s, _ = _segment_scale(amax_ptr, e, FMAX, EPS, POW2)
-            for i in range(0, hi - lo):
-                t = hi - 1 - i
-                if SEG:
-                    if (t // n_kb) * T < start:  # into an earlier segment (possibly past empty ones)
-                        while (t // n_kb) * T < start:
-                            e -= 1
-                            start = tl.multiple_of(tl.load(seg_ptr + e), T)
-                        length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
-                        s, _ = _segment_scale(amax_ptr, e, FMAX, EPS, POW2)
-                _cast_tile(x_ptr, row_ptr, col_ptr, t, n_kb, M, K, s, start, length, DO_ROW, DO_COL, FMAX, OUT, T,
-                           HINTS)
+                    e += 1
+                    end = tl.load(seg_ptr + e + 1)
+            acc = tl.maximum(acc, _tile_amax_bits(x_ptr, t, n_kb, M, K, T))
+        tl.atomic_max(amax_ptr + e, acc, sem="relaxed")
+    if PHASES == 0:
+        # 2. every program's amaxes are in: the barrier
+        tl.atomic_add(sync_ptr, 1, sem="release")
+        while tl.atomic_add(sync_ptr, 0, sem="acquire") < n_prog:
+            pass
     if PHASES != 1:
+        if pid == 0:  # publish every segment's scale and 1/scale
+            for b in range(0, n_seg, BE):
+                offs = b + tl.arange(0, BE)
+                a = tl.load(amax_ptr + offs, mask=offs < n_seg, other=0, volatile=True).to(tl.float32, bitcast=True)
+                s_all, inv_all = _tensor_scale(a, FMAX, EPS, 1.0, POW2)
+                tl.store(scale_ptr + offs * SCALE_STRIDE, s_all, mask=offs < n_seg)
+                tl.store(inv_ptr + offs * SCALE_STRIDE, inv_all, mask=offs < n_seg)
+        # 3. the cast of the same tiles, last read first (still in L2)
+        e = 0
+        start = tl.zeros((), dtype=tl.int64)
+        length = tl.zeros((), dtype=tl.int64) + M
+        if SEG:  # the hints keep the column copy's stores 16 bytes wide
+            e = _segment_of_row(((hi - 1) // n_kb) * T, seg_ptr, n_seg)
+            start = tl.multiple_of(tl.load(seg_ptr + e), T)
+            length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
+        s, _ = _segment_scale(amax_ptr, e, FMAX, EPS, POW2)
+        for i in range(0, hi - lo):
+            t = hi - 1 - i
+            if SEG:
+                if (t // n_kb) * T < start:  # into an earlier segment (possibly past empty ones)
+                    while (t // n_kb) * T < start:
+                        e -= 1
+                        start = tl.multiple_of(tl.load(seg_ptr + e), T)
+                    length = tl.multiple_of(tl.load(seg_ptr + e + 1) - start, T)
+                    s, _ = _segment_scale(amax_ptr, e, FMAX, EPS, POW2)
+            _cast_tile(x_ptr, row_ptr, col_ptr, t, n_kb, M, K, s, start, length, DO_ROW, DO_COL, FMAX, OUT, T)
         # 4. the last program to leave clears the sync words for the next launch; the CTA barrier
         # first, so that none of this program's threads still reads an amax word
         tl.debug_barrier()
         if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == n_prog - 1:
-            for b in range(0, 2 * n_seg, BE):
+            for b in range(0, n_seg, BE):
                 offs = b + tl.arange(0, BE)
-                tl.store(amax_ptr + offs, tl.zeros([BE], dtype=tl.int32), mask=offs < 2 * n_seg)
+                tl.store(amax_ptr + offs, tl.zeros([BE], dtype=tl.int32), mask=offs < n_seg)
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
 
@@ -258,10 +201,6 @@ ENABLED = enabled_from_env()  # read once, when the first current-scaling cast o
 # refusal (fewer SMs to this process, as under MPS) drops the device, for that warp count, to one.
 PROGRAMS_PER_SM = 2
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Experts' casts segment by segment (``PIPE``), and L2 eviction hints (``HINTS``): see the module
-# doc; scripts/probe_current_l2.py times the four combinations.
-PIPELINE = False
-L2_HINTS = False
 _sync: dict[tuple[int, int], torch.Tensor] = {}
 _per_sm: dict[tuple[int, int], int] = {}  # (device, warps) where PROGRAMS_PER_SM per SM was refused
 _sm_count: dict[int, int] = {}
@@ -280,22 +219,17 @@ def persistent_ok(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda and not _INTERPRET
 
 
-def _words(n_seg: int) -> int:
-    """Sync words for ``n_seg`` segments: 4, an amax and a count per segment."""
-    return 4 + 2 * n_seg
-
-
 def _sync_words(device: int, n_seg: int) -> torch.Tensor:
     """Zeroed sync words (4, then one per segment). In eager mode this stream's own, kept: the
     kernel leaves them zero, and launches on one stream run one after another. While a CUDA graph
     is captured, a new buffer per launch: its zeroing is a node of the graph, so every replay
     starts from zero and no two graphs (captured on one stream, replayed on any) share words."""
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros((_words(n_seg),), dtype=torch.int32, device=torch.device("cuda", device))
+        return torch.zeros((4 + n_seg,), dtype=torch.int32, device=torch.device("cuda", device))
     key = (device, triton.runtime.driver.active.get_current_stream(device))
     buf = _sync.get(key)
-    if buf is None or buf.numel() < _words(n_seg):  # a replaced buffer is freed in stream order: safe
-        buf = torch.zeros((_words(max(n_seg, 126)),), dtype=torch.int32, device=torch.device("cuda", device))
+    if buf is None or buf.numel() < 4 + n_seg:  # a replaced buffer is freed in stream order: safe
+        buf = torch.zeros((4 + max(n_seg, 252),), dtype=torch.int32, device=torch.device("cuda", device))
         _sync[key] = buf
     return buf
 
@@ -333,10 +267,9 @@ def cast_current_persistent(
     args = (x, row if row is not None else dummy, col if col is not None else dummy, scale, inv,
             offsets if offsets is not None else dummy)
     kw: dict[str, Any] = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=splits is not None, FMAX=fmax, OUT=out,
-                              T=TILE, EPS=float(amax_epsilon), POW2=power_2_scale, BE=128, num_warps=warps,
-                              PIPE=PIPELINE and splits is not None, HINTS=L2_HINTS)
+                              T=TILE, EPS=float(amax_epsilon), POW2=power_2_scale, BE=128, num_warps=warps)
     if dev.type != "cuda":  # Triton's interpreter
-        sync = torch.zeros((_words(n_seg),), dtype=torch.int32, device=dev)
+        sync = torch.zeros((4 + n_seg,), dtype=torch.int32, device=dev)
         grid = min(programs or 1, n_tiles)
         for phases in ((0,) if grid == 1 else (1, 2)):
             _PERSISTENT((grid,), *args, sync, m, k, n_kb, n_seg, **kw, PHASES=phases)
