@@ -9,16 +9,14 @@ import torch
 from megatron_fp8.quant import kernels
 from megatron_fp8.quant import reference as ref
 from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
+from megatron_fp8.testing import same_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = (t.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1) for t in (a, b))
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.dtype == b.dtype and same_bits([a], [b])
 
 
 AMAXES = torch.tensor([0.0, 1.0, 3.0, 448.0, 449.0, 57344.0, 1e-30, 1.4e-45, 1e-38, 3.0e38, 7.77e5,

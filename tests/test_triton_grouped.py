@@ -24,6 +24,7 @@ from megatron_fp8.quant.quantizers import (  # noqa: E402
     CurrentScalingQuantizer,
 )
 from megatron_fp8.quant.tensor import Operands, Pack  # noqa: E402
+from megatron_fp8.testing import same_bits  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,8 +123,7 @@ def test_packs_agree_with_the_per_expert_layout_checks(name: str) -> None:
                     assert (u.data_ptr(), u.shape, u.stride()) == (v.data_ptr(), v.shape, v.stride())
                 for u, v in ((rebuilt[i].data, op.data), (rebuilt[i].scale_inv, op.scale_inv)):
                     assert u.shape == v.shape and u.stride() == v.stride()
-                    assert torch.equal(u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
-                                       v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
+                    assert same_bits([u], [v])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with cuBLAS")
