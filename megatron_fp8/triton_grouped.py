@@ -1,5 +1,5 @@
-"""Grouped FP8 GEMMs of all experts in one Triton launch (wired into ``gemm.grouped_gemm_cat`` and
-``gemm.grouped_wgrad``; ``MEGATRON_FP8_GROUPED_GEMM=auto|triton|torch|loop`` picks the path).
+"""Grouped FP8 GEMMs of all experts in one Triton launch (wired into ``gemm_grouped.grouped_gemm_cat``
+and ``gemm_grouped.grouped_wgrad``; ``MEGATRON_FP8_GROUPED_GEMM=auto|triton|torch|loop`` picks the path).
 They exist for the host: per-expert cuBLAS calls cost 25-60 us of host time each, 16 of them per
 backward step, and ``torch._scaled_grouped_mm`` needs ~10 scale set-up launches and refuses E5M2
 gradients and block scales on SM90. Measured on an H200 (2026-12-02, 8 x 2048 tokens;

@@ -8,7 +8,7 @@ FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.
 BF16 baseline: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` forward; backward as two
 explicit grouped calls (dgrad ``dy @ w``, wgrad ``dy.T @ x`` grouped along the tokens).
 Our FP8 path: one launch casts every expert's input (per-expert scales), one launch per GEMM
-(``gemm.grouped_gemm_cat`` / ``grouped_wgrad``: the Triton grouped kernels by default, cuBLAS
+(``gemm_grouped.grouped_gemm_cat`` / ``grouped_wgrad``: the Triton grouped kernels by default, cuBLAS
 per expert while a CUDA graph is captured, ``MEGATRON_FP8_GROUPED_GEMM`` picks others); the
 rowwise ``torch._scaled_grouped_mm`` GEMM-only forward is shown as a peer. "weights cached":
 the FP8 weights cast once and reused (``is_first_microbatch=False``: the later micro-batches of

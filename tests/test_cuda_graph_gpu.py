@@ -117,7 +117,7 @@ print("captured and replayed")
 def test_grouped_capture_in_a_fresh_process() -> None:
     """The first cuBLAS GEMMs of a process may come inside the capture (``auto`` runs none in
     eager grouped steps): the eager warm-up must have created the cuBLAS handles of the forward's
-    thread and of the autograd thread (``gemm._cublas_ready``), or ``cublasCreate`` fails there."""
+    thread and of the autograd thread (``gemm_grouped._cublas_ready``), or ``cublasCreate`` fails there."""
     import os
     import subprocess
     import sys

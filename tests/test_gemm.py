@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_fp8 import gemm as core
+from megatron_fp8 import gemm_grouped
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.quant.formats import ScaleLayout
 from megatron_fp8.quant.reference import e8m0_to_float
@@ -138,14 +139,14 @@ def test_grouped_gemm_equals_per_expert_gemms(recipe, splits: list[int]) -> None
     x = torch.randn(sum(splits), K, dtype=torch.bfloat16)
     ws = [torch.randn(N, K, dtype=torch.bfloat16) for _ in splits]
     a_all = qx.quantize(x).rowwise
-    a = core.split_rows(a_all, splits)
+    a = gemm_grouped.split_rows(a_all, splits)
     b = [qw.quantize(w).rowwise for w in ws]
-    outs = core.grouped_gemm(a, b, torch.bfloat16)
+    outs = gemm_grouped.grouped_gemm(a, b, torch.bfloat16)
     for s, ai, bi, o in zip(splits, a, b, outs):
         assert o.shape == (s, N)
         assert torch.equal(o, core.gemm(ai, bi, torch.bfloat16))
     with pytest.raises(ValueError, match="sum to"):
-        core.split_rows(a_all, [1, 2])
+        gemm_grouped.split_rows(a_all, [1, 2])
 
 
 @pytest.mark.parametrize("backend", ["emulate", "native"])
@@ -155,13 +156,14 @@ def test_grouped_loop_writes_each_experts_rows(recipe, backend: str, monkeypatch
     experts included, on CPU ``_scaled_mm.out`` where it runs and the emulation."""
     monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
     splits, n, k = [128, 0, 48, 80], 128, 256  # small: CPU _scaled_mm is slow
-    a = core.split_rows(make_quantizer(recipe, TensorRole.INPUT).quantize(torch.randn(sum(splits), k)).rowwise, splits)
+    x_fp8 = make_quantizer(recipe, TensorRole.INPUT).quantize(torch.randn(sum(splits), k))
+    a = gemm_grouped.split_rows(x_fp8.rowwise, splits)
     b = [make_quantizer(recipe, TensorRole.WEIGHT).quantize(torch.randn(n, k)).rowwise for _ in splits]
     if backend == "native" and not core.native_supported(a[0].layout, b[0].layout, torch.device("cpu")):
         pytest.skip(f"CPU torch has no native GEMM for {a[0].layout.value} operands")
     for dtype in (torch.float32, torch.bfloat16):
         with core.force_backend(backend), core.record_gemms() as calls:
-            got = core.grouped_gemm_cat(a, b, dtype, name="fprop")
+            got = gemm_grouped.grouped_gemm_cat(a, b, dtype, name="fprop")
         assert {c.backend for c in calls} == {core.Backend(backend)} and len(calls) == len(splits)
         with core.force_backend(backend):
             want = torch.cat([core.gemm(ai, bi, dtype) for ai, bi in zip(a, b)])

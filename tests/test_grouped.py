@@ -402,7 +402,7 @@ def test_expert_weights_packed_in_one_buffer() -> None:
 def test_back_to_back_detects_one_buffer_in_order() -> None:
     """The grouped GEMM takes per-expert operands as one tensor only when they lie back to back
     in one buffer, in expert order (else it runs per expert)."""
-    from megatron_fp8.gemm import back_to_back
+    from megatron_fp8.gemm_grouped import back_to_back
 
     buf = torch.arange(24.0)
     assert back_to_back([buf[:6].view(2, 3), buf[6:6].view(0, 3), buf[6:15].view(3, 3)])

@@ -14,6 +14,7 @@ import torch
 
 import megatron_fp8 as mf
 from megatron_fp8 import gemm as core
+from megatron_fp8 import gemm_grouped
 from megatron_fp8.modules.grouped import GroupedLinear
 
 from .conftest import RECIPES
@@ -120,12 +121,12 @@ def test_loop_writes_each_experts_rows_on_cuda(name: str, monkeypatch: pytest.Mo
         cases.append(([5, 32, 3, 48], 48))
     for splits, n in cases:
         x = torch.randn(sum(splits), K, device="cuda", dtype=torch.bfloat16)
-        a = core.split_rows(make_quantizer(recipe, TensorRole.INPUT).quantize(x).rowwise, splits)
+        a = gemm_grouped.split_rows(make_quantizer(recipe, TensorRole.INPUT).quantize(x).rowwise, splits)
         b = [make_quantizer(recipe, TensorRole.WEIGHT).quantize(torch.randn(n, K, device="cuda")).rowwise
              for _ in splits]
         for dtype in (torch.bfloat16, torch.float32):
             with core.record_gemms() as calls:
-                got = core.grouped_gemm_cat(a, b, dtype, name="fprop")
+                got = gemm_grouped.grouped_gemm_cat(a, b, dtype, name="fprop")
             want = torch.cat([core.gemm(ai, bi, dtype) for ai, bi in zip(a, b)])
             assert got.dtype == dtype and torch.equal(got, want)
             native = [c for c in calls if c.backend is core.Backend.NATIVE]

@@ -16,6 +16,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from megatron_fp8 import gemm as core  # noqa: E402
+from megatron_fp8 import gemm_grouped  # noqa: E402
 from megatron_fp8 import triton_grouped as tg  # noqa: E402
 from megatron_fp8.quant import kernels  # noqa: E402
 from megatron_fp8.quant.quantizers import (  # noqa: E402
@@ -112,8 +113,9 @@ def test_packs_agree_with_the_per_expert_layout_checks(name: str) -> None:
         for pack, kind in zip((seg.rows, seg.cols), kinds):
             ops = pack.operands()
             width = {"rows": t.shape[1] // 128, "weights": 0, "tokens": t.shape[1]}[kind]
-            assert Pack.of(ops) is pack and Pack.of(Operands(pack)) is pack and core._pack_serves(pack, kind)
-            assert core.back_to_back([o.data for o in ops]) and core._scales_laid_out(ops, starts, kind, width)
+            assert Pack.of(ops) is pack and Pack.of(Operands(pack)) is pack and gemm_grouped._pack_serves(pack, kind)
+            assert gemm_grouped.back_to_back([o.data for o in ops])
+            assert gemm_grouped._scales_laid_out(ops, starts, kind, width)
             assert Pack.of(ops[::-1]) is None and Pack.of(ops[:-1]) is None
             rebuilt = Operands(Pack(pack.data.clone(), pack.scale_inv.clone(), pack.splits, pack.width,
                                     pack.layout, pack.columnwise))

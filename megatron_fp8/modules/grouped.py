@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..gemm import back_to_back
+from ..gemm_grouped import back_to_back
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers, mark_tensors_param_derived
 from ..quant.quantizers import Segments

@@ -33,8 +33,8 @@ block's amax, and so every real value and scale, unchanged, and add exact zeros 
 sum: the result is that of a Linear run on the zero-padded tokens. Forward outputs and dgrad
 never see the padding.
 
-GEMMs: fprop and dgrad go through ``gemm.grouped_gemm_cat``, wgrad through
-``gemm.grouped_wgrad``: in eager CUDA steps one Triton launch for all experts where the operands
+GEMMs: fprop and dgrad go through ``gemm_grouped.grouped_gemm_cat``, wgrad through
+``gemm_grouped.grouped_wgrad``: in eager CUDA steps one Triton launch for all experts where the operands
 lie back to back (as the one-launch casts leave them), else one ``torch._scaled_grouped_mm``
 where it applies (SM90, per-tensor E4M3 operands), else one GEMM per expert; while a CUDA graph
 is captured one cuBLAS GEMM per expert (``MEGATRON_FP8_GROUPED_GEMM`` pins a path).
@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm import grouped_gemm_cat, grouped_wgrad, split_rows
+from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy
 from ..quant.quantizers import Quantizer, Segments
