@@ -27,6 +27,7 @@ import torch
 from benchlib import markdown_table, median_ms
 
 from megatron_fp8.quant import triton_cast
+from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
@@ -42,10 +43,6 @@ def cast_one(t: torch.Tensor, one_launch: bool, programs: int | None = None) -> 
     else:
         row, col, _, inv = triton_cast.cast_current(t, F8, True, True, one_launch=one_launch)
     return row, col, inv[0]
-
-
-def offsets(splits: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], dtype=torch.int64, device=device)
 
 
 def cast_all(t: torch.Tensor, splits: list[int], offs: torch.Tensor) -> list[Cast]:
@@ -79,7 +76,7 @@ def gemms_bwd(dc: Cast, xc: Cast, wc: Cast, c: int | None) -> tuple[torch.Tensor
 
 def serial(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, E: int) -> Callable[[], list[torch.Tensor]]:
     m, n = x.shape[0] // E, w.shape[0] // E
-    om, on = offsets([m] * E, x.device), offsets([n] * E, x.device)
+    om, on = segment_offsets([m] * E, x.device), segment_offsets([n] * E, x.device)
 
     def step() -> list[torch.Tensor]:
         wc, xc = cast_all(w, [n] * E, on), cast_all(x, [m] * E, om)

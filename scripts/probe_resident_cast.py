@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.quant.tensor import aligned_scalars
-from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _quantize, _tensor_scale, cast_current
+from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _quantize, _tensor_scale, cast_current, fp8_copies
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
@@ -82,9 +83,8 @@ def resident_cast(x: torch.Tensor, splits: list[int], programs: int, r: int, war
                   sync: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The package's segmented layout (row ``[M, K]``, flat col, per-expert scales 16 B apart),
     one launch per expert."""
-    m_all, k = x.shape
-    row = torch.empty_like(x, dtype=F8)
-    col = torch.empty((k * m_all,), dtype=F8, device=x.device)
+    k = x.shape[1]
+    row, col = fp8_copies(x, F8, True, True, segmented=True)
     scale, inv = aligned_scalars(len(splits), x.device), aligned_scalars(len(splits), x.device)
     fmax, _, _, out = _fp8_consts(F8)
     n_kb = triton.cdiv(k, TILE)
@@ -104,10 +104,6 @@ def resident_cast(x: torch.Tensor, splits: list[int], programs: int, r: int, war
     return row, col, scale, inv
 
 
-def offsets(splits: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], dtype=torch.int64, device=device)
-
-
 def reference(x: torch.Tensor, splits: list[int], offs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     row, col, scale, inv = cast_current(x, F8, True, True, splits=splits, offsets=offs, one_launch=x.is_cuda)
     return row, col, scale, inv
@@ -119,7 +115,7 @@ def check_cpu() -> None:
         x = torch.randn(sum(splits), k, dtype=torch.bfloat16) * 3
         x[5, 7] = -41.0
         got = resident_cast(x, splits, programs=1, r=8, warps=4, sync=torch.zeros(4 * len(splits), dtype=torch.int32))
-        ref = reference(x, splits, offsets(splits, x.device))
+        ref = reference(x, splits, segment_offsets(splits, x.device))
         print(splits, k, "equal" if same_bits(got, ref) else "DIFFER")
 
 
@@ -142,7 +138,7 @@ def main() -> None:
         torch.manual_seed(0)
         x = torch.randn(e * m, k, device=dev, dtype=torch.bfloat16)
         splits = [m] * e
-        offs = offsets(splits, dev)
+        offs = segment_offsets(splits, dev)
         ref = reference(x, splits, offs)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _pow2_scale, _quantize, _segment_of_row
+from megatron_fp8.quant.kernels import segment_offsets
+from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _pow2_scale, _quantize, _segment_of_row, fp8_copies
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
@@ -93,8 +94,7 @@ def tma_cast(x: torch.Tensor, load_tma: bool, store_tma: bool, warps: int, offse
     m, k = x.shape
     if m % TILE or k % TILE:
         raise ValueError("probe: M and K multiples of 128")
-    row = torch.empty((m, k), dtype=F8, device=x.device)
-    col = torch.empty((k, m), dtype=F8, device=x.device)  # flat [K * M] when segmented (same bytes)
+    row, col = fp8_copies(x, F8, True, True, segmented=False)  # col [K, M]; flat [K * M] when segmented
     block2d = mode == "128x128"
     row_s = torch.empty((m // TILE, k // TILE) if block2d else (k // TILE * m,), dtype=torch.float32, device=x.device)
     col_s = None if block2d else torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
@@ -126,10 +126,6 @@ def package(x: torch.Tensor, offsets: torch.Tensor | None = None, mode: str = "1
     return row, row_s, col, col_s
 
 
-def offsets_of(splits: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], dtype=torch.int64, device=device)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true")
@@ -139,7 +135,7 @@ def main() -> None:
         x = (torch.randn(256, 384) * 3).bfloat16()
         x[3, 5], x[130, 200] = 1e4, 0.0
         ref = package(x)
-        offs = offsets_of([128, 128], "cpu")
+        offs = segment_offsets([128, 128], torch.device("cpu"))
         ref_seg = package(x, offs)
         ref_2d, ref_2d_seg = package(x, None, "128x128"), package(x, offs, "128x128")
         for load_tma, store_tma in ((True, True), (False, True), (True, False)):
@@ -159,7 +155,7 @@ def main() -> None:
             "w 8 experts x 2048 x 4096, 128x128": (16384, 4096, True, "128x128"),
             "w 8 experts x 7168 x 2048, 128x128": (57344, 2048, True, "128x128")}.items():
         x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
-        offs = offsets_of([m // 8] * 8, "cuda") if seg else None
+        offs = segment_offsets([m // 8] * 8, torch.device("cuda")) if seg else None
         least = m * k * 4
         ref = package(x, offs, mode)
         us = median_ms(lambda: package(x, offs, mode)) * 1e3  # noqa: B023
