@@ -38,6 +38,7 @@ import triton.language as tl
 from benchlib import environment, markdown_table, median_ms
 
 from megatron_fp8.quant import triton_cast as tc
+from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.quant.triton_cast import _load_transposed, _pow2_scale, _quantize  # noqa: F401 (jit globals)
 from megatron_fp8.testing import bits, same_bits
 
@@ -140,7 +141,7 @@ def segments(lookup: str) -> None:
         tc._segment_of_row = _segment_of_row_old
     rows = []
     splits = [2048] * 8
-    offsets = torch.tensor([0, *torch.tensor(splits).cumsum(0).tolist()], device="cuda", dtype=torch.int64)
+    offsets = segment_offsets(splits, torch.device("cuda"))
     for label, k, mode in (("w 8x2048x4096", 4096, "128x128"), ("x 8x2048x4096", 4096, "1x128"),
                            ("dy 8x2048x2048", 2048, "1x128")):
         x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
