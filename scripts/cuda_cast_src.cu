@@ -1,0 +1,175 @@
+// One 128x128 tile of x [M, K] (BF16, M and K multiples of 128) per block of 256 threads: the
+// rowwise FP8 copy [M, K] and the columnwise copy (segment e's [K, m_e] at K * start_e), with the
+// package's scale layouts (megatron_fp8/quant/triton_cast.py, _cast_tile_kernel):
+//   MODE 0 (1x128): row scales [K/128, m_e] at start_e * K/128, column scales [M/128, K];
+//   MODE 1 (128x128): one scale per tile, [M/128, K/128];
+//   MODE 2 (tensor): the segment's scale read from tscale[e * 4], no scale written.
+// The tile goes through shared memory once: phase A loads it (16-byte vectors, all issued before
+// any use), casts the rowwise copy from registers and parks the BF16 tile in shared memory;
+// phase B reads each column of it, takes the column amax, casts, and writes the FP8 tile
+// transposed into shared memory (over the BF16 tile); phase C stores those rows 128 bytes a warp.
+// Compile with -DMODE=0|1|2 and -DE5M2=0|1.
+#ifndef MODE
+#define MODE 0
+#endif
+#ifndef E5M2
+#define E5M2 0
+#endif
+#if E5M2
+#define FMAX 57344.0f
+#define F_EXP 15
+#define F_MANT 0x600000
+#else
+#define FMAX 448.0f
+#define F_EXP 8
+#define F_MANT 0x600000
+#endif
+#ifndef MINB
+#define MINB 4  // blocks an SM: 4 caps the registers at 64
+#endif
+#define T 128
+#define XS 136  // BF16 elements per shared row: 272 bytes, 16-byte aligned
+#define OS 33   // 32-bit words per transposed FP8 row: 128 bytes + 4, conflict-free stores
+
+__device__ __forceinline__ void pow2_scale(float amax, float &s, float &inv) {
+  // The largest power of two <= FMAX / amax, from exponent bits; (1, 1) for 0, inf or NaN.
+  int bits = __float_as_int(amax);
+  int ex = ((bits >> 23) & 0xFF) - 127;
+  int mant = bits & 0x7FFFFF;
+  int e = F_EXP - ex - (mant <= F_MANT ? 0 : 1);
+  e = max(min(e, 127), -126);
+  s = __int_as_float((e + 127) << 23);
+  inv = __int_as_float(e == 127 ? (1 << 22) : ((127 - e) << 23));
+  if (!(amax > 0.0f && amax < __int_as_float(0x7F800000))) {
+    s = 1.0f;
+    inv = 1.0f;
+  }
+}
+
+__device__ __forceinline__ float clampq(float v) {  // NaN passes through, as the package's clamp
+  return v > FMAX ? FMAX : (v < -FMAX ? -FMAX : v);
+}
+
+__device__ __forceinline__ unsigned short cvt2(float lo, float hi) {
+  unsigned short d;
+#if E5M2
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(clampq(hi)), "f"(clampq(lo)));
+#else
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(clampq(hi)), "f"(clampq(lo)));
+#endif
+  return d;
+}
+
+__device__ __forceinline__ float lo_f(unsigned w) { return __int_as_float(w << 16); }
+__device__ __forceinline__ float hi_f(unsigned w) { return __int_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ unsigned pack4(float a, float b, float c, float d) {
+  return (unsigned)cvt2(a, b) | ((unsigned)cvt2(c, d) << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(
+    const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,
+    unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
+    const float *__restrict__ tscale, int M, int K, int n_seg) {  // n_seg 0: one tensor
+  __shared__ __align__(16) unsigned short xs[T * XS];
+#if MODE == 0
+  __shared__ float part[2 * T];
+#elif MODE == 1
+  __shared__ float red[8];
+#endif
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
+  long long start = 0, length = M;
+  int eid = 0;
+  if (n_seg > 0) {  // the segment holding this tile (the last of equal offsets)
+    for (int j = 1; j < n_seg; ++j) eid += (seg[j] <= m0);
+    start = seg[eid];
+    length = seg[eid + 1] - start;
+  }
+
+  // ---- phase A: load, rowwise copy ----
+  const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each; rows r0 + 16 i
+  uint4 d[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
+  float tile_s = 1.0f;
+#if MODE == 1
+  float tmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) tmax = fmaxf(tmax, fmaxf(fabsf(lo_f(w[j])), fabsf(hi_f(w[j]))));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+  if (lane == 0) red[warp] = tmax;
+  __syncthreads();
+  tmax = red[0];
+#pragma unroll
+  for (int j = 1; j < 8; ++j) tmax = fmaxf(tmax, red[j]);
+  float tile_inv;
+  pow2_scale(tmax, tile_s, tile_inv);
+  if (t == 0) row_s[blockIdx.x * (K / T) + blockIdx.y] = tile_inv;
+#elif MODE == 2
+  tile_s = tscale[eid * 4];
+#endif
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = r0 + 16 * i;
+    const unsigned w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+    float s = tile_s;
+#if MODE == 0
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a = fmaxf(a, fmaxf(fabsf(lo_f(w[j])), fabsf(hi_f(w[j]))));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float inv;
+    pow2_scale(a, s, inv);
+    if (v == 0) row_s[start * (K / T) + blockIdx.y * length + (m0 + r - start)] = inv;
+#endif
+    uint2 q;
+    q.x = pack4(lo_f(w[0]) * s, hi_f(w[0]) * s, lo_f(w[1]) * s, hi_f(w[1]) * s);
+    q.y = pack4(lo_f(w[2]) * s, hi_f(w[2]) * s, lo_f(w[3]) * s, hi_f(w[3]) * s);
+    *reinterpret_cast<uint2 *>(row + (m0 + r) * K + k0 + 8 * v) = q;
+    *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
+  }
+  __syncthreads();
+
+  // ---- phase B: columns (thread: column c, rows 64 h .. 64 h + 63) ----
+  const int c = t & 127, h = t >> 7;
+  unsigned p[32];  // the column's 64 BF16 values, two a word
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const unsigned lo = xs[(64 * h + 2 * i) * XS + c], hi = xs[(64 * h + 2 * i + 1) * XS + c];
+    p[i] = lo | (hi << 16);
+    a = fmaxf(a, fmaxf(fabsf(lo_f(p[i])), fabsf(hi_f(p[i]))));
+  }
+  float s = tile_s;
+#if MODE == 0
+  part[h * T + c] = a;
+#endif
+  __syncthreads();  // every read of the BF16 tile done: the FP8 tile may overwrite it
+#if MODE == 0
+  float inv;
+  pow2_scale(fmaxf(part[c], part[T + c]), s, inv);
+  if (h == 0) col_s[blockIdx.x * (long long)K + k0 + c] = inv;
+#endif
+  unsigned *os = reinterpret_cast<unsigned *>(xs);
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    os[c * OS + 16 * h + j] = pack4(lo_f(p[2 * j]) * s, hi_f(p[2 * j]) * s, lo_f(p[2 * j + 1]) * s,
+                                    hi_f(p[2 * j + 1]) * s);
+  __syncthreads();
+
+  // ---- phase C: the transposed FP8 tile out, one 128-byte row a warp step ----
+  unsigned char *dst = col + start * K + (m0 - start);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int kk = warp * 16 + j;
+    *reinterpret_cast<unsigned *>(dst + (k0 + kk) * length + 4 * lane) = os[kk * OS + lane];
+  }
+}

@@ -1,0 +1,128 @@
+"""Probe (GPU): the tile casts as a CUDA C kernel (``scripts/cuda_cast_src.cu``, NVRTC).
+
+    python scripts/probe_cuda_cast.py
+
+The package's Triton 1x128 row + column cast runs at ~2.4 TB/s where a copy runs at ~3.9: its
+column half loads the tile a second time, transposed, because transposing in Triton cost more.
+Here one block of 256 threads owns a 128x128 tile: it loads the tile once (16-byte vectors, all
+issued before use), casts the rowwise copy from registers, parks the BF16 tile in shared memory,
+takes each column's amax from there, writes the FP8 tile transposed into shared memory and
+stores it out 128 bytes a warp. Compiled by ``torch.cuda._compile_kernel`` for 1x128, 128x128
+and tensor (the current-scaling cast pass, given each expert's scale) at 3 or 4 blocks an SM
+(``MINB``: 80 or 64 registers; 1x128 spills 72 bytes at 4).
+
+Every variant must equal the package's cast (``triton_cast._launch``, as ``cast_tiles`` /
+``cast_segments`` run it) bit for bit, with zeros, a large value and an infinity planted in x.
+Times each cast replayed from a CUDA graph (no host launch cost in the figure): microseconds
+(median, L2 flushed) and bandwidth over the least bytes (2 + 1 + 1 per element).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from megatron_fp8.quant.kernels import segment_offsets
+from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies
+from megatron_fp8.testing import capture_step, same_bits
+
+F8 = torch.float8_e4m3fn
+SRC = Path(__file__).with_name("cuda_cast_src.cu")
+MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
+
+
+@functools.cache
+def _kernel(mode: str, minb: int):
+    return torch.cuda._compile_kernel(SRC.read_text(), "cast_tile",
+                                      nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
+
+
+def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None,
+              minb: int) -> tuple[torch.Tensor | None, ...]:
+    m, k = x.shape
+    if m % TILE or k % TILE:
+        raise ValueError("probe: M and K multiples of 128")
+    seg = offsets is not None
+    row, col = fp8_copies(x, F8, True, True, segmented=seg)
+    row_s = col_s = None
+    if mode == "1x128":
+        row_s = torch.empty((k // TILE * m,), dtype=torch.float32, device=x.device)
+        col_s = torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
+    elif mode == "128x128":
+        row_s = torch.empty((m // TILE, k // TILE), dtype=torch.float32, device=x.device)
+    dummy = x
+    _kernel(mode, minb)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
+                        args=[x, row, row_s if row_s is not None else dummy, col,
+                              col_s if col_s is not None else dummy, offsets if seg else dummy,
+                              tscale if tscale is not None else dummy, m, k, offsets.numel() - 1 if seg else 0])
+    return row, row_s, col, col_s
+
+
+def package(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None
+            ) -> tuple[torch.Tensor | None, ...]:
+    n_seg = offsets.numel() - 1 if offsets is not None else 1
+    return _launch(x, F8, mode, True, True, tscale, offsets, n_seg, aligned=offsets is not None)
+
+
+def _scales(n: int) -> torch.Tensor:
+    """Per-expert tensor scales 16 bytes apart (``SCALE_STRIDE``), as the package keeps them."""
+    s = torch.zeros(n * 4, dtype=torch.float32, device="cuda")
+    s[::4] = torch.rand(n, device="cuda") * 4 + 0.5
+    return s
+
+
+def _graphed_us(fn) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph."""
+    from benchlib import median_ms
+
+    graph, _ = capture_step(fn)
+    return median_ms(graph.replay) * 1e3
+
+
+def main() -> None:
+    from benchlib import markdown_table
+
+    torch.manual_seed(0)
+    rows = []
+    cases = {
+        "x 16384x4096": (16384, 4096, 1, "1x128"),
+        "x 8 experts x 2048, K=4096": (16384, 4096, 8, "1x128"),
+        "dy 8 experts x 2048, N=2048": (16384, 2048, 8, "1x128"),
+        "dy 8 experts x 2048, N=7168": (16384, 7168, 8, "1x128"),
+        "x 8 experts, K=2048": (16384, 2048, 8, "1x128"),
+        "w 8 x 2048 x 4096, 128x128": (16384, 4096, 8, "128x128"),
+        "w 8 x 7168 x 2048, 128x128": (57344, 2048, 8, "128x128"),
+        "x 8 experts, K=4096, tensor": (16384, 4096, 8, "tensor"),
+        "w 8 x 2048 x 4096, tensor": (16384, 4096, 8, "tensor"),
+        "dy 8 experts, N=2048, tensor": (16384, 2048, 8, "tensor"),
+        "32 experts x 512, K=4096, 1x128": (16384, 4096, 32, "1x128"),
+    }
+    for name, (m, k, n_exp, mode) in cases.items():
+        x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
+        x[5, 7], x[300, 129], x[1000, :128] = float("inf"), 3e4, 0.0
+        offs = segment_offsets([m // n_exp] * n_exp, torch.device("cuda")) if n_exp > 1 else None
+        tscale = _scales(n_exp) if mode == "tensor" else None
+        least = m * k * 4
+        ref = package(x, mode, offs, tscale)
+        clone_us = _graphed_us(lambda: x.clone())  # noqa: B023
+        rows.append([name, "clone (same bytes moved)", f"{clone_us:.1f}", f"{least / clone_us / 1e3:.0f}", "-"])
+        us = _graphed_us(lambda: package(x, mode, offs, tscale))  # noqa: B023
+        rows.append([name, "package (Triton)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
+        print(rows[-1], flush=True)
+        for minb in (3, 4):
+            try:
+                same = same_bits(cuda_cast(x, mode, offs, tscale, minb), ref)
+                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb))  # noqa: B023
+                rows.append([name, f"CUDA, {minb} blocks/SM", f"{us:.1f}", f"{least / us / 1e3:.0f}",
+                             "equal" if same else "DIFFER"])
+            except Exception as exc:  # a probe: report and go on
+                rows.append([name, f"CUDA, {minb} blocks/SM", "failed", str(exc)[:80].replace("|", "/"), ""])
+            print(rows[-1], flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print(markdown_table(["tensor", "cast", "us", "GB/s over least bytes", "bits"], rows))
+
+
+if __name__ == "__main__":
+    main()
