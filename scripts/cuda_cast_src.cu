@@ -67,40 +67,41 @@ __device__ __forceinline__ unsigned pack4(float a, float b, float c, float d) {
   return (unsigned)cvt2(a, b) | ((unsigned)cvt2(c, d) << 16);
 }
 
-extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(
-    const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,
-    unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
-    const float *__restrict__ tscale, int M, int K, int n_seg) {  // n_seg 0: one tensor
-  __shared__ __align__(16) unsigned short xs[T * XS];
-#if MODE == 0
-  __shared__ float part[2 * T];
-#elif MODE == 1
-  __shared__ float red[8];
-#endif
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
-  long long start = 0, length = M;
-  int eid = 0;
-  if (n_seg > 0) {  // the segment holding this tile (the last of equal offsets)
-    for (int j = 1; j < n_seg; ++j) eid += (seg[j] <= m0);
-    start = seg[eid];
-    length = seg[eid + 1] - start;
-  }
+struct Where {  // a tile's rows and the segment (expert) holding them
+  long long m0, k0, start, length;
+  int eid;
+};
 
-  // ---- phase A: load, rowwise copy ----
-  const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each; rows r0 + 16 i
-  uint4 d[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
+__device__ __forceinline__ Where locate(long long m0, long long k0, const long long *__restrict__ seg, int n_seg,
+                                        int M) {
+  Where w{m0, k0, 0, M, 0};
+  if (n_seg > 0) {  // the last of equal offsets: empty segments are skipped
+    for (int j = 1; j < n_seg; ++j) w.eid += (seg[j] <= m0);
+    w.start = seg[w.eid];
+    w.length = seg[w.eid + 1] - w.start;
+  }
+  return w;
+}
+
+// Phases A-C of one tile. d: this thread's 8 vectors (rows r0 + 16 i, BF16 8 v .. 8 v + 7);
+// STORE: park them in xs (else xs holds the tile already). Ends with the tile written out; xs
+// is free again once every thread has passed the caller's next barrier.
+template <bool STORE>
+__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, float *part, float *red,
+                                          const Where &w, unsigned char *__restrict__ row,
+                                          float *__restrict__ row_s, unsigned char *__restrict__ col,
+                                          float *__restrict__ col_s, const float *__restrict__ tscale, int K,
+                                          int bm, int bk) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int v = t & 15, r0 = t >> 4;
   float tile_s = 1.0f;
 #if MODE == 1
   float tmax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const unsigned w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+    const unsigned u[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) tmax = fmaxf(tmax, fmaxf(fabsf(lo_f(w[j])), fabsf(hi_f(w[j]))));
+    for (int j = 0; j < 4; ++j) tmax = fmaxf(tmax, fmaxf(fabsf(lo_f(u[j])), fabsf(hi_f(u[j]))));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
@@ -111,30 +112,31 @@ extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(
   for (int j = 1; j < 8; ++j) tmax = fmaxf(tmax, red[j]);
   float tile_inv;
   pow2_scale(tmax, tile_s, tile_inv);
-  if (t == 0) row_s[blockIdx.x * (K / T) + blockIdx.y] = tile_inv;
+  if (t == 0) row_s[bm * (K / T) + bk] = tile_inv;
 #elif MODE == 2
-  tile_s = tscale[eid * 4];
+  tile_s = tscale[w.eid * 4];
 #endif
+  // ---- phase A: the rowwise copy ----
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = r0 + 16 * i;
-    const unsigned w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+    const unsigned u[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
     float s = tile_s;
 #if MODE == 0
     float a = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) a = fmaxf(a, fmaxf(fabsf(lo_f(w[j])), fabsf(hi_f(w[j]))));
+    for (int j = 0; j < 4; ++j) a = fmaxf(a, fmaxf(fabsf(lo_f(u[j])), fabsf(hi_f(u[j]))));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
     float inv;
     pow2_scale(a, s, inv);
-    if (v == 0) row_s[start * (K / T) + blockIdx.y * length + (m0 + r - start)] = inv;
+    if (v == 0) row_s[w.start * (K / T) + bk * w.length + (w.m0 + r - w.start)] = inv;
 #endif
     uint2 q;
-    q.x = pack4(lo_f(w[0]) * s, hi_f(w[0]) * s, lo_f(w[1]) * s, hi_f(w[1]) * s);
-    q.y = pack4(lo_f(w[2]) * s, hi_f(w[2]) * s, lo_f(w[3]) * s, hi_f(w[3]) * s);
-    *reinterpret_cast<uint2 *>(row + (m0 + r) * K + k0 + 8 * v) = q;
-    *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
+    q.x = pack4(lo_f(u[0]) * s, hi_f(u[0]) * s, lo_f(u[1]) * s, hi_f(u[1]) * s);
+    q.y = pack4(lo_f(u[2]) * s, hi_f(u[2]) * s, lo_f(u[3]) * s, hi_f(u[3]) * s);
+    *reinterpret_cast<uint2 *>(row + (w.m0 + r) * K + w.k0 + 8 * v) = q;
+    if (STORE) *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
   }
   __syncthreads();
 
@@ -156,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(
 #if MODE == 0
   float inv;
   pow2_scale(fmaxf(part[c], part[T + c]), s, inv);
-  if (h == 0) col_s[blockIdx.x * (long long)K + k0 + c] = inv;
+  if (h == 0) col_s[bm * (long long)K + w.k0 + c] = inv;
 #endif
   unsigned *os = reinterpret_cast<unsigned *>(xs);
 #pragma unroll
@@ -166,10 +168,67 @@ extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(
   __syncthreads();
 
   // ---- phase C: the transposed FP8 tile out, one 128-byte row a warp step ----
-  unsigned char *dst = col + start * K + (m0 - start);
+  unsigned char *dst = col + w.start * K + (w.m0 - w.start);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int kk = warp * 16 + j;
-    *reinterpret_cast<unsigned *>(dst + (k0 + kk) * length + 4 * lane) = os[kk * OS + lane];
+    *reinterpret_cast<unsigned *>(dst + (w.k0 + kk) * w.length + 4 * lane) = os[kk * OS + lane];
+  }
+}
+
+#define ARGS                                                                                              \
+  const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,       \
+      unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,     \
+      const float *__restrict__ tscale, int M, int K, int n_seg
+
+// One tile a block (grid: M/128 x K/128); n_seg 0: one tensor, no segments.
+extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(ARGS) {
+  __shared__ __align__(16) unsigned short xs[T * XS];
+  __shared__ float part[2 * T];
+  __shared__ float red[8];
+  const int t = threadIdx.x, v = t & 15, r0 = t >> 4;
+  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
+  uint4 d[8];  // every load issued before anything waits on one
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
+  const Where w = locate(m0, k0, seg, n_seg, M);
+  cast_body<true>(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, blockIdx.x, blockIdx.y);
+}
+
+__device__ __forceinline__ void fetch(unsigned short *xs, const unsigned short *__restrict__ x, int tile, int K) {
+  // The tile's 16-byte vectors into shared memory, asynchronously (cp.async, L1 bypassed).
+  const int t = threadIdx.x, v = t & 15, r0 = t >> 4, n_kb = K / T;
+  const long long m0 = (long long)(tile / n_kb) * T, k0 = (long long)(tile % n_kb) * T;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(xs + (r0 + 16 * i) * XS + 8 * v);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v));
+  }
+}
+
+// Persistent: each block walks tiles blockIdx.x, + gridDim.x, ..., fetching the next tile into
+// the other half of its shared memory (2 x 128 x 136 BF16, dynamic) while it casts this one.
+extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile_pipe(ARGS, int n_tiles) {
+  extern __shared__ __align__(16) unsigned short dyn[];
+  __shared__ float part[2 * T];
+  __shared__ float red[8];
+  const int t = threadIdx.x, v = t & 15, r0 = t >> 4, n_kb = K / T;
+  int tile = blockIdx.x;
+  if (tile >= n_tiles) return;
+  fetch(dyn, x, tile, K);
+  asm volatile("cp.async.commit_group;");
+  for (int b = 0; tile < n_tiles; tile += gridDim.x, b ^= 1) {
+    unsigned short *xs = dyn + b * T * XS;
+    if (tile + (int)gridDim.x < n_tiles) fetch(dyn + (b ^ 1) * T * XS, x, tile + gridDim.x, K);
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group 1;");  // all but the newest group: this tile has landed
+    __syncthreads();
+    uint4 d[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(xs + (r0 + 16 * i) * XS + 8 * v);
+    const int bm = tile / n_kb, bk = tile % n_kb;
+    const Where w = locate((long long)bm * T, (long long)bk * T, seg, n_seg, M);
+    cast_body<false>(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, bm, bk);
+    __syncthreads();  // phase C's reads done before this half takes the tile after next
   }
 }

@@ -9,7 +9,9 @@ issued before use), casts the rowwise copy from registers, parks the BF16 tile i
 takes each column's amax from there, writes the FP8 tile transposed into shared memory and
 stores it out 128 bytes a warp. Compiled by ``torch.cuda._compile_kernel`` for 1x128, 128x128
 and tensor (the current-scaling cast pass, given each expert's scale) at 3 or 4 blocks an SM
-(``MINB``: 80 or 64 registers; 1x128 spills 72 bytes at 4).
+(``MINB``: 80 or 64 registers; 1x128 spills 8 and 88 bytes). ``cast_tile_pipe`` is the same
+cast in persistent blocks that fetch their next tile (``cp.async``, into the other half of a
+double buffer) while they cast this one, at 2 or 3 blocks an SM.
 
 Every variant must equal the package's cast (``triton_cast._launch``, as ``cast_tiles`` /
 ``cast_segments`` run it) bit for bit, with zeros, a large value and an infinity planted in x.
@@ -33,14 +35,21 @@ SRC = Path(__file__).with_name("cuda_cast_src.cu")
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 
 
+PIPE_SMEM = 2 * TILE * 136 * 2  # two BF16 tiles of 128 rows x 136 (padded)
+VARIANTS = (("cast_tile", 3), ("cast_tile", 4), ("cast_tile_pipe", 2), ("cast_tile_pipe", 3))
+
+
 @functools.cache
-def _kernel(mode: str, minb: int):
-    return torch.cuda._compile_kernel(SRC.read_text(), "cast_tile",
-                                      nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
+def _kernel(mode: str, minb: int, name: str):
+    kernel = torch.cuda._compile_kernel(SRC.read_text(), name,
+                                        nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
+    if name == "cast_tile_pipe":
+        kernel.set_shared_memory_config(PIPE_SMEM)
+    return kernel
 
 
 def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None,
-              minb: int) -> tuple[torch.Tensor | None, ...]:
+              minb: int, name: str = "cast_tile") -> tuple[torch.Tensor | None, ...]:
     m, k = x.shape
     if m % TILE or k % TILE:
         raise ValueError("probe: M and K multiples of 128")
@@ -53,10 +62,15 @@ def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: 
     elif mode == "128x128":
         row_s = torch.empty((m // TILE, k // TILE), dtype=torch.float32, device=x.device)
     dummy = x
-    _kernel(mode, minb)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
-                        args=[x, row, row_s if row_s is not None else dummy, col,
-                              col_s if col_s is not None else dummy, offsets if seg else dummy,
-                              tscale if tscale is not None else dummy, m, k, offsets.numel() - 1 if seg else 0])
+    args = [x, row, row_s if row_s is not None else dummy, col, col_s if col_s is not None else dummy,
+            offsets if seg else dummy, tscale if tscale is not None else dummy, m, k,
+            offsets.numel() - 1 if seg else 0]
+    if name == "cast_tile":
+        _kernel(mode, minb, name)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), args=args)
+    else:  # persistent: minb blocks an SM walk the tiles
+        n_tiles = (m // TILE) * (k // TILE)
+        grid = min(n_tiles, minb * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        _kernel(mode, minb, name)(grid=(grid, 1, 1), block=(256, 1, 1), args=[*args, n_tiles], shared_mem=PIPE_SMEM)
     return row, row_s, col, col_s
 
 
@@ -98,11 +112,15 @@ def main() -> None:
         "w 8 x 2048 x 4096, tensor": (16384, 4096, 8, "tensor"),
         "dy 8 experts, N=2048, tensor": (16384, 2048, 8, "tensor"),
         "32 experts x 512, K=4096, 1x128": (16384, 4096, 32, "1x128"),
+        "6 experts, 2 empty, K=4096, 1x128": (16384, 4096, [0, 4096, 2048, 0, 8192, 2048], "1x128"),
+        "6 experts, 2 empty, K=4096, tensor": (16384, 4096, [0, 4096, 2048, 0, 8192, 2048], "tensor"),
     }
-    for name, (m, k, n_exp, mode) in cases.items():
+    for name, (m, k, experts, mode) in cases.items():
+        splits = experts if isinstance(experts, list) else [m // experts] * experts
+        n_exp = len(splits)
         x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
         x[5, 7], x[300, 129], x[1000, :128] = float("inf"), 3e4, 0.0
-        offs = segment_offsets([m // n_exp] * n_exp, torch.device("cuda")) if n_exp > 1 else None
+        offs = segment_offsets(splits, torch.device("cuda")) if n_exp > 1 else None
         tscale = _scales(n_exp) if mode == "tensor" else None
         least = m * k * 4
         ref = package(x, mode, offs, tscale)
@@ -111,14 +129,14 @@ def main() -> None:
         us = _graphed_us(lambda: package(x, mode, offs, tscale))  # noqa: B023
         rows.append([name, "package (Triton)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
         print(rows[-1], flush=True)
-        for minb in (3, 4):
+        for kname, minb in VARIANTS:
+            label = f"CUDA {'pipelined' if kname.endswith('pipe') else 'one tile a block'}, {minb} blocks/SM"
             try:
-                same = same_bits(cuda_cast(x, mode, offs, tscale, minb), ref)
-                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb))  # noqa: B023
-                rows.append([name, f"CUDA, {minb} blocks/SM", f"{us:.1f}", f"{least / us / 1e3:.0f}",
-                             "equal" if same else "DIFFER"])
+                same = same_bits(cuda_cast(x, mode, offs, tscale, minb, kname), ref)
+                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb, kname))  # noqa: B023
+                rows.append([name, label, f"{us:.1f}", f"{least / us / 1e3:.0f}", "equal" if same else "DIFFER"])
             except Exception as exc:  # a probe: report and go on
-                rows.append([name, f"CUDA, {minb} blocks/SM", "failed", str(exc)[:80].replace("|", "/"), ""])
+                rows.append([name, label, "failed", str(exc)[:80].replace("|", "/"), ""])
             print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print(markdown_table(["tensor", "cast", "us", "GB/s over least bytes", "bits"], rows))
