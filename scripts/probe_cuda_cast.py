@@ -1,4 +1,4 @@
-"""Probe (GPU): the tile casts as a CUDA C kernel (``scripts/cuda_cast_src.cu``, NVRTC).
+"""Probe (GPU): the tile casts as a CUDA C kernel (``megatron_fp8/quant/cuda_cast.cu``, NVRTC).
 
     python scripts/probe_cuda_cast.py
 
@@ -31,7 +31,7 @@ from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies
 from megatron_fp8.testing import capture_step, same_bits
 
 F8 = torch.float8_e4m3fn
-SRC = Path(__file__).with_name("cuda_cast_src.cu")
+SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 
 

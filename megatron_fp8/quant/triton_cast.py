@@ -13,6 +13,9 @@ mode           rowwise copy ``[M, K]``                columnwise copy ``[K, M]``
 ``tensor``     the given per-tensor scale             the same scale
 =============  =====================================  ======================================
 
+The 1x128 row + column cast of BF16 tiles goes to the CUDA C kernel of ``cuda_cast`` (the tile
+loaded once; measured faster) where that serves; its outputs are these kernels', bit for bit.
+
 1x128 scales are written in the layout the SM90 block GEMM reads (the scaled dim outermost:
 storage ``[K/128, M]`` viewed as ``[M, K/128]``), so the GEMM core copies nothing.
 
@@ -54,6 +57,7 @@ import triton
 import triton.language as tl
 
 from ..triton_launch import Launcher, cdiv
+from . import cuda_cast
 from .formats import fp8_max
 from .tensor import SCALE_STRIDE as STRIDE
 from .tensor import aligned_scalars
@@ -435,6 +439,10 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
     row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, offsets is not None)
+    if mode == "1x128" and cuda_cast.serves(x, fp8_dtype, rowwise, columnwise, offsets is None or aligned):
+        scales = cuda_cast.cast_1x128(x, fp8_dtype, offsets, n_seg, row, col)  # the tile loaded once
+        if scales is not None:
+            return row, scales[0], col, scales[1]
     row_s = col_s = None
     if mode == "1x128":
         row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None

@@ -1,0 +1,85 @@
+"""The CUDA C 1x128 cast (``quant.cuda_cast``) against the Triton cast it stands in for and the
+CPU reference, bit for bit: plain tensors and experts (empty ones included), E4M3 and E5M2,
+zeros, NaN, inf and subnormal inputs; and the casts it must leave to Triton (skip without CUDA;
+run on the device machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fp8.quant import cuda_cast
+from megatron_fp8.quant.kernels import segment_offsets
+from megatron_fp8.quant.quantizers import Block1DQuantizer
+from megatron_fp8.testing import same_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _input(m: int, k: int) -> torch.Tensor:
+    x = (torch.randn(m, k) * torch.logspace(-3, 3, m).unsqueeze(1)).to(torch.bfloat16)
+    x[:128, :128] = 0.0  # a zero block: scale 1
+    x[1, 2], x[130, 5], x[7, 129] = float("nan"), float("inf"), -3.0e4  # block amaxes ignore NaN
+    x[200, 300 % k] = 1e-40  # subnormal (BF16 has FP32's exponent range)
+    return x.cuda()
+
+
+def _spy(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = cuda_cast.cast_1x128
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cuda_cast, "cast_1x128", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(128, 128), (512, 1024), (2048, 7168)])
+def test_plain_cast_equals_triton_and_reference(shape: tuple[int, int], dtype: torch.dtype, monkeypatch) -> None:
+    from megatron_fp8.quant.triton_cast import cast_tiles
+
+    x = _input(*shape)
+    calls = _spy(monkeypatch)
+    got = cast_tiles(x, dtype, "1x128", True, True)
+    assert calls == [True], "the CUDA kernel should have served this cast"
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "0")
+    want = cast_tiles(x, dtype, "1x128", True, True)
+    assert calls == [True], "MEGATRON_FP8_CUDA_CAST=0 should leave the cast to Triton"
+    assert same_bits([*got[0], *got[1]], [*want[0], *want[1]])
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST")
+    q = Block1DQuantizer(dtype)
+    on_gpu = q.quantize(x, rowwise=True, columnwise=True)
+    on_cpu = q.quantize(x.cpu(), rowwise=True, columnwise=True)
+    assert same_bits(list(on_gpu.tensors()), list(on_cpu.tensors()))
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [[0, 256, 128, 0, 384, 1280], [2048] * 8, [128] * 40])
+def test_segments_equal_triton(splits: list[int], dtype: torch.dtype, monkeypatch) -> None:
+    from megatron_fp8.quant.triton_cast import cast_segments
+
+    x = _input(sum(splits), 512)
+    offs = segment_offsets(splits, x.device)
+    calls = _spy(monkeypatch)
+    got = cast_segments(x, offs, splits, dtype, "1x128", True, True)
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "0")
+    want = cast_segments(x, offs, splits, dtype, "1x128", True, True)
+    assert calls == [True]
+    assert same_bits(got, want)
+
+
+def test_leaves_other_casts_to_triton() -> None:
+    x = torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda")
+    assert cuda_cast.serves(x, E4, True, True, True)
+    assert not cuda_cast.serves(x.float(), E4, True, True, True)  # FP32 input
+    assert not cuda_cast.serves(x[:200], E4, True, True, True)  # rows not a multiple of 128
+    assert not cuda_cast.serves(x[:, :200].contiguous(), E4, True, True, True)  # columns likewise
+    assert not cuda_cast.serves(x, E4, True, False, True)  # one copy only
+    assert not cuda_cast.serves(x, E4, False, True, True)
+    assert not cuda_cast.serves(x, E4, True, True, False)  # segments not aligned to 128 rows
+    assert not cuda_cast.serves(x.t(), E4, True, True, True)  # not contiguous
