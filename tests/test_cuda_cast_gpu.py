@@ -20,8 +20,8 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 def _input(m: int, k: int) -> torch.Tensor:
     x = (torch.randn(m, k) * torch.logspace(-3, 3, m).unsqueeze(1)).to(torch.bfloat16)
     x[:128, :128] = 0.0  # a zero block: scale 1
-    x[1, 2], x[130, 5], x[7, 129] = float("nan"), float("inf"), -3.0e4  # block amaxes ignore NaN
-    x[200, 300 % k] = 1e-40  # subnormal (BF16 has FP32's exponent range)
+    x[1, 2], x[(m - 2), 5], x[7, k - 1] = float("nan"), float("inf"), -3.0e4  # block amaxes ignore NaN
+    x[m - 1, k // 2] = 1e-40  # subnormal (BF16 has FP32's exponent range)
     return x.cuda()
 
 

@@ -83,11 +83,12 @@ __device__ __forceinline__ Where locate(long long m0, long long k0, const long l
   return w;
 }
 
-// Phases A-C of one tile. d: this thread's 8 vectors (rows r0 + 16 i, BF16 8 v .. 8 v + 7);
-// STORE: park them in xs (else xs holds the tile already). Ends with the tile written out; xs
-// is free again once every thread has passed the caller's next barrier.
-template <bool STORE>
-__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, float *part, float *red,
+// Phases A-C of one tile. d: this thread's 8 vectors (rows r0 + 16 i, BF16 8 v .. 8 v + 7),
+// parked in xs. os: where the transposed FP8 tile goes; over xs (phase B then holds its column
+// in registers), or a buffer of its own (phase B reads its column twice, fewer registers).
+template <bool OWN_OS>
+__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, unsigned *os, float *part,
+                                          float *red,
                                           const Where &w, unsigned char *__restrict__ row,
                                           float *__restrict__ row_s, unsigned char *__restrict__ col,
                                           float *__restrict__ col_s, const float *__restrict__ tscale, int K,
@@ -136,35 +137,43 @@ __device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *x
     q.x = pack4(lo_f(u[0]) * s, hi_f(u[0]) * s, lo_f(u[1]) * s, hi_f(u[1]) * s);
     q.y = pack4(lo_f(u[2]) * s, hi_f(u[2]) * s, lo_f(u[3]) * s, hi_f(u[3]) * s);
     *reinterpret_cast<uint2 *>(row + (w.m0 + r) * K + w.k0 + 8 * v) = q;
-    if (STORE) *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
+    *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
   }
   __syncthreads();
 
   // ---- phase B: columns (thread: column c, rows 64 h .. 64 h + 63) ----
   const int c = t & 127, h = t >> 7;
-  unsigned p[32];  // the column's 64 BF16 values, two a word
+  const unsigned short *xc = xs + 64 * h * XS + c;
+  unsigned p[OWN_OS ? 1 : 32];  // over xs: the column's 64 BF16 values, two a word
   float a = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const unsigned lo = xs[(64 * h + 2 * i) * XS + c], hi = xs[(64 * h + 2 * i + 1) * XS + c];
-    p[i] = lo | (hi << 16);
-    a = fmaxf(a, fmaxf(fabsf(lo_f(p[i])), fabsf(hi_f(p[i]))));
+    const unsigned w2 = xc[2 * i * XS] | ((unsigned)xc[(2 * i + 1) * XS] << 16);
+    if constexpr (!OWN_OS) p[i] = w2;
+    a = fmaxf(a, fmaxf(fabsf(lo_f(w2)), fabsf(hi_f(w2))));
   }
   float s = tile_s;
 #if MODE == 0
   part[h * T + c] = a;
 #endif
-  __syncthreads();  // every read of the BF16 tile done: the FP8 tile may overwrite it
+  __syncthreads();  // the column amaxes shared; over xs: every read of the BF16 tile done
 #if MODE == 0
   float inv;
   pow2_scale(fmaxf(part[c], part[T + c]), s, inv);
   if (h == 0) col_s[bm * (long long)K + w.k0 + c] = inv;
 #endif
-  unsigned *os = reinterpret_cast<unsigned *>(xs);
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
-    os[c * OS + 16 * h + j] = pack4(lo_f(p[2 * j]) * s, hi_f(p[2 * j]) * s, lo_f(p[2 * j + 1]) * s,
-                                    hi_f(p[2 * j + 1]) * s);
+  for (int j = 0; j < 16; ++j) {
+    unsigned u0, u1;  // rows 4 j .. 4 j + 3 of the column
+    if constexpr (OWN_OS) {
+      u0 = xc[4 * j * XS] | ((unsigned)xc[(4 * j + 1) * XS] << 16);
+      u1 = xc[(4 * j + 2) * XS] | ((unsigned)xc[(4 * j + 3) * XS] << 16);
+    } else {
+      u0 = p[2 * j];
+      u1 = p[2 * j + 1];
+    }
+    os[c * OS + 16 * h + j] = pack4(lo_f(u0) * s, hi_f(u0) * s, lo_f(u1) * s, hi_f(u1) * s);
+  }
   __syncthreads();
 
   // ---- phase C: the transposed FP8 tile out, one 128-byte row a warp step ----
@@ -192,43 +201,22 @@ extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(ARGS) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
   const Where w = locate(m0, k0, seg, n_seg, M);
-  cast_body<true>(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, blockIdx.x, blockIdx.y);
+  cast_body<false>(d, xs, reinterpret_cast<unsigned *>(xs), part, red, w, row, row_s, col, col_s, tscale, K,
+                   blockIdx.x, blockIdx.y);
 }
 
-__device__ __forceinline__ void fetch(unsigned short *xs, const unsigned short *__restrict__ x, int tile, int K) {
-  // The tile's 16-byte vectors into shared memory, asynchronously (cp.async, L1 bypassed).
-  const int t = threadIdx.x, v = t & 15, r0 = t >> 4, n_kb = K / T;
-  const long long m0 = (long long)(tile / n_kb) * T, k0 = (long long)(tile % n_kb) * T;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(xs + (r0 + 16 * i) * XS + 8 * v);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v));
-  }
-}
-
-// Persistent: each block walks tiles blockIdx.x, + gridDim.x, ..., fetching the next tile into
-// the other half of its shared memory (2 x 128 x 136 BF16, dynamic) while it casts this one.
-extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile_pipe(ARGS, int n_tiles) {
+// The same with the FP8 tile in a buffer of its own (dynamic shared memory: 128 x 136 BF16, then
+// 128 x 33 words; 51712 bytes).
+extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile_own(ARGS) {
   extern __shared__ __align__(16) unsigned short dyn[];
   __shared__ float part[2 * T];
   __shared__ float red[8];
-  const int t = threadIdx.x, v = t & 15, r0 = t >> 4, n_kb = K / T;
-  int tile = blockIdx.x;
-  if (tile >= n_tiles) return;
-  fetch(dyn, x, tile, K);
-  asm volatile("cp.async.commit_group;");
-  for (int b = 0; tile < n_tiles; tile += gridDim.x, b ^= 1) {
-    unsigned short *xs = dyn + b * T * XS;
-    if (tile + (int)gridDim.x < n_tiles) fetch(dyn + (b ^ 1) * T * XS, x, tile + gridDim.x, K);
-    asm volatile("cp.async.commit_group;");
-    asm volatile("cp.async.wait_group 1;");  // all but the newest group: this tile has landed
-    __syncthreads();
-    uint4 d[8];
+  const int t = threadIdx.x, v = t & 15, r0 = t >> 4;
+  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
+  uint4 d[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(xs + (r0 + 16 * i) * XS + 8 * v);
-    const int bm = tile / n_kb, bk = tile % n_kb;
-    const Where w = locate((long long)bm * T, (long long)bk * T, seg, n_seg, M);
-    cast_body<false>(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, bm, bk);
-    __syncthreads();  // phase C's reads done before this half takes the tile after next
-  }
+  for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
+  const Where w = locate(m0, k0, seg, n_seg, M);
+  cast_body<true>(d, dyn, reinterpret_cast<unsigned *>(dyn + T * XS), part, red, w, row, row_s, col, col_s,
+                  tscale, K, blockIdx.x, blockIdx.y);
 }

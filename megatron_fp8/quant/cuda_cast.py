@@ -28,7 +28,7 @@ import torch
 
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
-_BLOCKS_PER_SM = 3  # 80 registers, no spills (at 4: 64 registers and spills, measured slower)
+_KERNEL, _BLOCKS_PER_SM, _SMEM = "cast_tile", 3, 0  # 80 registers (at 4 blocks an SM, 64 and spills: slower)
 
 
 def enabled() -> bool:
@@ -41,9 +41,12 @@ def _kernel(e5m2: bool, device: int) -> Any | None:
     built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
     try:
         with torch.cuda.device(device):
-            return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile",
-                                              nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
-                                                            f"-DMINB={_BLOCKS_PER_SM}"])
+            kernel = torch.cuda._compile_kernel(_SRC.read_text(), _KERNEL,
+                                                nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
+                                                              f"-DMINB={_BLOCKS_PER_SM}"])
+            if _SMEM:
+                kernel.set_shared_memory_config(_SMEM)
+            return kernel
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
         warnings.warn(f"megatron_fp8: the CUDA 1x128 cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)
@@ -72,6 +75,6 @@ def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, offsets: torch.Tensor | 
     row_s = torch.empty((k // TILE * m,), dtype=torch.float32, device=x.device)
     col_s = torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
     seg = offsets if offsets is not None else x  # unread when n_seg is 0
-    kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
+    kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), shared_mem=_SMEM,
            args=[x, row, row_s, col, col_s, seg, x, m, k, n_seg if offsets is not None else 0])
     return row_s, col_s
