@@ -9,11 +9,10 @@ issued before use), casts the rowwise copy from registers, parks the BF16 tile i
 takes each column's amax from there, writes the FP8 tile transposed into shared memory and
 stores it out 128 bytes a warp. Compiled by ``torch.cuda._compile_kernel`` for 1x128, 128x128
 and tensor (the current-scaling cast pass, given each expert's scale) at 3 or 4 blocks an SM
-(``MINB``: 80 or 64 registers; 1x128 spills 8 and 88 bytes). ``cast_tile_own`` writes the FP8
-tile into a shared buffer of its own, so phase B reads its column twice instead of holding it
-(64 registers, no spills, 4 blocks an SM by shared memory). A persistent variant that fetched
-its next tile with ``cp.async`` into a double buffer ran 7-20% slower than one tile a block
-(2026-12-03, git history).
+(``MINB``: 80 or 64 registers; 1x128 spills 8 and 88 bytes). Two variants measured slower on
+2026-12-03 and left in git history (docs/benchmarks.md run V): persistent blocks fetching their
+next tile with ``cp.async`` into a double buffer, and the FP8 tile in a shared buffer of its own
+(phase B reading its column twice instead of holding it: 64 registers, no spills).
 
 Every variant must equal the package's cast (``triton_cast._launch``, as ``cast_tiles`` /
 ``cast_segments`` run it) bit for bit, with zeros, a large value and an infinity planted in x.
@@ -38,21 +37,17 @@ SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 
 
-OWN_SMEM = TILE * 136 * 2 + TILE * 33 * 4  # the BF16 tile (rows padded to 136), the FP8 tile (33 words a row)
-VARIANTS = (("cast_tile", 3), ("cast_tile", 4), ("cast_tile_own", 3), ("cast_tile_own", 4))
+BLOCKS_PER_SM = (3, 4)
 
 
 @functools.cache
-def _kernel(mode: str, minb: int, name: str):
-    kernel = torch.cuda._compile_kernel(SRC.read_text(), name,
-                                        nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
-    if name == "cast_tile_own":
-        kernel.set_shared_memory_config(OWN_SMEM)
-    return kernel
+def _kernel(mode: str, minb: int):
+    return torch.cuda._compile_kernel(SRC.read_text(), "cast_tile",
+                                      nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
 
 
 def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None,
-              minb: int, name: str = "cast_tile") -> tuple[torch.Tensor | None, ...]:
+              minb: int) -> tuple[torch.Tensor | None, ...]:
     m, k = x.shape
     if m % TILE or k % TILE:
         raise ValueError("probe: M and K multiples of 128")
@@ -68,8 +63,7 @@ def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: 
     args = [x, row, row_s if row_s is not None else dummy, col, col_s if col_s is not None else dummy,
             offsets if seg else dummy, tscale if tscale is not None else dummy, m, k,
             offsets.numel() - 1 if seg else 0]
-    _kernel(mode, minb, name)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), args=args,
-                              shared_mem=OWN_SMEM if name == "cast_tile_own" else 0)
+    _kernel(mode, minb)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), args=args)
     return row, row_s, col, col_s
 
 
@@ -133,11 +127,11 @@ def main() -> None:
         us = _graphed_us(lambda: package(x, mode, offs, tscale))  # noqa: B023
         rows.append([name, "package (Triton)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
         print(rows[-1], flush=True)
-        for kname, minb in VARIANTS:
-            label = f"CUDA {'own FP8 buffer' if kname.endswith('own') else 'FP8 over the BF16 tile'}, {minb} blocks/SM"
+        for minb in BLOCKS_PER_SM:
+            label = f"CUDA, {minb} blocks/SM"
             try:
-                same = same_bits(cuda_cast(x, mode, offs, tscale, minb, kname), ref)
-                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb, kname))  # noqa: B023
+                same = same_bits(cuda_cast(x, mode, offs, tscale, minb), ref)
+                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb))  # noqa: B023
                 rows.append([name, label, f"{us:.1f}", f"{least / us / 1e3:.0f}", "equal" if same else "DIFFER"])
             except Exception as exc:  # a probe: report and go on
                 rows.append([name, label, "failed", str(exc)[:80].replace("|", "/"), ""])

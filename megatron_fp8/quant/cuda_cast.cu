@@ -84,11 +84,8 @@ __device__ __forceinline__ Where locate(long long m0, long long k0, const long l
 }
 
 // Phases A-C of one tile. d: this thread's 8 vectors (rows r0 + 16 i, BF16 8 v .. 8 v + 7),
-// parked in xs. os: where the transposed FP8 tile goes; over xs (phase B then holds its column
-// in registers), or a buffer of its own (phase B reads its column twice, fewer registers).
-template <bool OWN_OS>
-__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, unsigned *os, float *part,
-                                          float *red,
+// parked in xs; the transposed FP8 tile then goes over xs.
+__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, float *part, float *red,
                                           const Where &w, unsigned char *__restrict__ row,
                                           float *__restrict__ row_s, unsigned char *__restrict__ col,
                                           float *__restrict__ col_s, const float *__restrict__ tscale, int K,
@@ -144,36 +141,28 @@ __device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *x
   // ---- phase B: columns (thread: column c, rows 64 h .. 64 h + 63) ----
   const int c = t & 127, h = t >> 7;
   const unsigned short *xc = xs + 64 * h * XS + c;
-  unsigned p[OWN_OS ? 1 : 32];  // over xs: the column's 64 BF16 values, two a word
+  unsigned p[32];  // the column's 64 BF16 values, two a word
   float a = 0.0f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    const unsigned w2 = xc[2 * i * XS] | ((unsigned)xc[(2 * i + 1) * XS] << 16);
-    if constexpr (!OWN_OS) p[i] = w2;
-    a = fmaxf(a, fmaxf(fabsf(lo_f(w2)), fabsf(hi_f(w2))));
+    p[i] = xc[2 * i * XS] | ((unsigned)xc[(2 * i + 1) * XS] << 16);
+    a = fmaxf(a, fmaxf(fabsf(lo_f(p[i])), fabsf(hi_f(p[i]))));
   }
   float s = tile_s;
 #if MODE == 0
   part[h * T + c] = a;
 #endif
-  __syncthreads();  // the column amaxes shared; over xs: every read of the BF16 tile done
+  __syncthreads();  // the column amaxes shared, every read of the BF16 tile done
 #if MODE == 0
   float inv;
   pow2_scale(fmaxf(part[c], part[T + c]), s, inv);
   if (h == 0) col_s[bm * (long long)K + w.k0 + c] = inv;
 #endif
+  unsigned *os = reinterpret_cast<unsigned *>(xs);  // the FP8 tile, transposed, over the BF16 one
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    unsigned u0, u1;  // rows 4 j .. 4 j + 3 of the column
-    if constexpr (OWN_OS) {
-      u0 = xc[4 * j * XS] | ((unsigned)xc[(4 * j + 1) * XS] << 16);
-      u1 = xc[(4 * j + 2) * XS] | ((unsigned)xc[(4 * j + 3) * XS] << 16);
-    } else {
-      u0 = p[2 * j];
-      u1 = p[2 * j + 1];
-    }
-    os[c * OS + 16 * h + j] = pack4(lo_f(u0) * s, hi_f(u0) * s, lo_f(u1) * s, hi_f(u1) * s);
-  }
+  for (int j = 0; j < 16; ++j)  // rows 4 j .. 4 j + 3 of the column: one word
+    os[c * OS + 16 * h + j] = pack4(lo_f(p[2 * j]) * s, hi_f(p[2 * j]) * s, lo_f(p[2 * j + 1]) * s,
+                                    hi_f(p[2 * j + 1]) * s);
   __syncthreads();
 
   // ---- phase C: the transposed FP8 tile out, one 128-byte row a warp step ----
@@ -201,22 +190,5 @@ extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(ARGS) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
   const Where w = locate(m0, k0, seg, n_seg, M);
-  cast_body<false>(d, xs, reinterpret_cast<unsigned *>(xs), part, red, w, row, row_s, col, col_s, tscale, K,
-                   blockIdx.x, blockIdx.y);
-}
-
-// The same with the FP8 tile in a buffer of its own (dynamic shared memory: 128 x 136 BF16, then
-// 128 x 33 words; 51712 bytes).
-extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile_own(ARGS) {
-  extern __shared__ __align__(16) unsigned short dyn[];
-  __shared__ float part[2 * T];
-  __shared__ float red[8];
-  const int t = threadIdx.x, v = t & 15, r0 = t >> 4;
-  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
-  uint4 d[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
-  const Where w = locate(m0, k0, seg, n_seg, M);
-  cast_body<true>(d, dyn, reinterpret_cast<unsigned *>(dyn + T * XS), part, red, w, row, row_s, col, col_s,
-                  tscale, K, blockIdx.x, blockIdx.y);
+  cast_body(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, blockIdx.x, blockIdx.y);
 }

@@ -6,7 +6,8 @@ re-reads it transposed, because transposing inside Triton cost more. Here a bloc
 threads loads its tile once, casts the rowwise copy from registers, takes the column amaxes
 from the tile parked in shared memory and writes the transposed FP8 tile out 128 bytes a warp.
 Measured on an H200 (``scripts/probe_cuda_cast.py``, docs/benchmarks.md run V): x 16384x4096
-113 -> 88 us, eight experts' dy at N=7168 190 -> 162 us; same bits.
+113 -> 88 us, eight experts' x at K=4096 112 -> 91 us, their dy at N=7168 190 -> 153 us; same
+bits.
 
 Serves only what it was measured to win: both copies, BF16 input, rows and columns multiples of
 128, segments (experts) aligned to 128 rows; the tile kernel's other modes (128x128, tensor)
@@ -28,7 +29,7 @@ import torch
 
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
-_KERNEL, _BLOCKS_PER_SM, _SMEM = "cast_tile", 3, 0  # 80 registers (at 4 blocks an SM, 64 and spills: slower)
+_BLOCKS_PER_SM = 3  # 80 registers; at 4 (64 registers, 88 bytes spilled) it ran 4-9% slower
 
 
 def enabled() -> bool:
@@ -41,12 +42,9 @@ def _kernel(e5m2: bool, device: int) -> Any | None:
     built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
     try:
         with torch.cuda.device(device):
-            kernel = torch.cuda._compile_kernel(_SRC.read_text(), _KERNEL,
-                                                nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
-                                                              f"-DMINB={_BLOCKS_PER_SM}"])
-            if _SMEM:
-                kernel.set_shared_memory_config(_SMEM)
-            return kernel
+            return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile",
+                                              nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
+                                                            f"-DMINB={_BLOCKS_PER_SM}"])
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
         warnings.warn(f"megatron_fp8: the CUDA 1x128 cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)
@@ -75,6 +73,6 @@ def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, offsets: torch.Tensor | 
     row_s = torch.empty((k // TILE * m,), dtype=torch.float32, device=x.device)
     col_s = torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
     seg = offsets if offsets is not None else x  # unread when n_seg is 0
-    kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), shared_mem=_SMEM,
+    kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
            args=[x, row, row_s, col, col_s, seg, x, m, k, n_seg if offsets is not None else 0])
     return row_s, col_s
