@@ -11,7 +11,7 @@ bits.
 
 Serves only what it was measured to win: both copies, BF16 input, rows and columns multiples of
 128, segments (experts) aligned to 128 rows; the tile kernel's other modes (128x128, tensor)
-ran no faster than Triton's and stay with the probe. Anything else, or a build failure (no
+gained only 2-4% over Triton's and stay with the probe. Anything else, or a build failure (no
 NVRTC), returns None and the caller's Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it
 off. Outputs are the Triton cast's raw buffers (``triton_cast._launch``), bit for bit: the GPU
 tests compare both with the CPU reference.
@@ -60,19 +60,17 @@ def serves(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: b
 
 
 def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, offsets: torch.Tensor | None, n_seg: int,
-               row: torch.Tensor, col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Cast ``x [M, K]`` into ``row`` and ``col`` (``triton_cast.fp8_copies``' buffers) and
-    return the scales ``(row_s [K/128 * M], col_s [M/128, K])`` in the Triton cast's layout, or
-    None where the kernel cannot be built. ``offsets``: the segments' device prefix sums (every
-    one a multiple of 128), or None for one tensor. Only for casts ``serves`` accepts."""
+               row: torch.Tensor, row_s: torch.Tensor, col: torch.Tensor, col_s: torch.Tensor) -> bool:
+    """Cast ``x [M, K]`` into the Triton cast's buffers (``triton_cast._launch``): ``row [M, K]``,
+    ``row_s [K/128 * M]``, ``col`` and ``col_s [M/128, K]``. False where the kernel cannot be
+    built (nothing written). ``offsets``: the segments' device prefix sums (every one a multiple
+    of 128), or None for one tensor. Only for casts ``serves`` accepts."""
     kernel = _kernel(fp8_dtype == torch.float8_e5m2, x.device.index if x.device.index is not None
                      else torch.cuda.current_device())
     if kernel is None:
-        return None
+        return False
     m, k = x.shape
-    row_s = torch.empty((k // TILE * m,), dtype=torch.float32, device=x.device)
-    col_s = torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
     seg = offsets if offsets is not None else x  # unread when n_seg is 0
     kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
            args=[x, row, row_s, col, col_s, seg, x, m, k, n_seg if offsets is not None else 0])
-    return row_s, col_s
+    return True

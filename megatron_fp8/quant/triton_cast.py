@@ -439,14 +439,13 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
     row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, offsets is not None)
-    if mode == "1x128" and cuda_cast.serves(x, fp8_dtype, rowwise, columnwise, offsets is None or aligned):
-        scales = cuda_cast.cast_1x128(x, fp8_dtype, offsets, n_seg, row, col)  # the tile loaded once
-        if scales is not None:
-            return row, scales[0], col, scales[1]
     row_s = col_s = None
     if mode == "1x128":
         row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
         col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
+        if (cuda_cast.serves(x, fp8_dtype, rowwise, columnwise, offsets is None or aligned)
+                and cuda_cast.cast_1x128(x, fp8_dtype, offsets, n_seg, row, row_s, col, col_s)):
+            return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
     elif mode == "128x128":
         row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
     fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
