@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from benchlib import host_and_device_ms, markdown_table
 
-from megatron_fp8.quant import triton_cast
+from megatron_fp8.quant import triton_cast, triton_scale
 from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
 
 
@@ -18,11 +18,11 @@ def main() -> None:
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     q = CurrentScalingQuantizer(torch.float8_e4m3fn)
     cases = {
-        "scale_from_amax (1 launch)": lambda: triton_cast.scale_from_amax(tiny, torch.float8_e4m3fn),
+        "scale_from_amax (1 launch)": lambda: triton_scale.scale_from_amax(tiny, torch.float8_e4m3fn),
         "current quantize rc 256x256 (amax + cast launches)": lambda: q.quantize(x, rowwise=True, columnwise=True),
         "torch.empty (reference)": lambda: torch.empty(1024, device="cuda"),
     }
-    launchers = [triton_cast._CAST, triton_cast._ROW_AMAX, triton_cast._SEGMENT_SCALE, triton_cast._SCALE_FROM_AMAX]
+    launchers = [triton_cast._CAST, triton_scale._ROW_AMAX, triton_scale._SEGMENT_SCALE, triton_scale._SCALE_FROM_AMAX]
     rows = []
     for name, fn in cases.items():
         got = {}

@@ -62,12 +62,12 @@ def main() -> None:
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     cases = {}
     # launch costs alone (tiny tensors: host-bound by construction)
-    from megatron_fp8.quant import triton_cast
+    from megatron_fp8.quant import triton_scale
 
     tiny = torch.ones(4, device="cuda")
     a16 = torch.ones(16, 16, device="cuda").to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
-    cases["launch: one Triton kernel (scale_from_amax, 4 values)"] = lambda: triton_cast.scale_from_amax(
+    cases["launch: one Triton kernel (scale_from_amax, 4 values)"] = lambda: triton_scale.scale_from_amax(
         tiny, torch.float8_e4m3fn)
     cases["launch: torch._scaled_mm 16x16x16"] = lambda: torch._scaled_mm(a16, a16.t(), one, one,
                                                                           out_dtype=torch.bfloat16)

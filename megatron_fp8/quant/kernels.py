@@ -51,6 +51,16 @@ def _triton() -> Any | None:
     return triton_cast
 
 
+@functools.cache
+def _scales() -> Any | None:
+    """``triton_scale`` (amaxes and scales), importable wherever ``_triton()`` is."""
+    if _triton() is None:
+        return None
+    from . import triton_scale
+
+    return triton_scale
+
+
 # ---- reference compositions (the CPU path and what `compile` compiles) ----------------------
 def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
                     columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -179,7 +189,7 @@ def _block_kernel_ok(x: torch.Tensor, columnwise: bool, block: int, pow2: bool, 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as an FP32 scalar (NaN propagates), ``reference.tensor_amax``'s value."""
     if _fused(x):
-        return _triton().amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(())
+        return _scales().amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(())
     return ref.tensor_amax(x)
 
 
@@ -187,7 +197,7 @@ def tensor_scale(x: torch.Tensor, dtype: torch.dtype, *, power_2_scale: bool = F
                  amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, 1/scale)`` from this tensor's amax (current scaling, no group reduction)."""
     if _fused(x):
-        _, s, inv = _triton().amax_and_scale(x, dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+        _, s, inv = _scales().amax_and_scale(x, dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
         return s.view(()), inv.view(())
     return scale_from_amax(ref.tensor_amax(x), dtype, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
 
@@ -197,7 +207,7 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, *, margin: int = 0, 
     """``(reference.amax_to_scale(amax), its reciprocal)``; one launch on CUDA."""
     kw: dict[str, Any] = dict(margin=margin, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
     if _triton_here(amax):
-        s, inv = _triton().scale_from_amax(amax, dtype, **kw)
+        s, inv = _scales().scale_from_amax(amax, dtype, **kw)
         return s.view(amax.shape), inv.view(amax.shape)
     s = ref.amax_to_scale(amax, dtype, **kw)
     return s, torch.reciprocal(s)
@@ -268,18 +278,18 @@ def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtyp
     """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA);
     ``history [E, L]``: each amax also joins ``history[:, 0]`` (``torch.maximum``)."""
     off = segment_offsets(splits, x.device)
-    amax, s, inv = _triton().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
+    amax, s, inv = _scales().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
                                            power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, history=history)
     return amax, s, inv, off
 
 
 def delayed_state(history: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, margin: int, algo_max: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every expert's delayed-scaling step in one launch (``triton_cast.delayed_state``), or None
+    """Every expert's delayed-scaling step in one launch (``triton_scale.delayed_state``), or None
     off the kernels' device (the caller then runs the same arithmetic in torch)."""
     if not _fused(history) or not history.is_contiguous():
         return None
-    return _triton().delayed_state(history, scale, dtype, margin=margin, algo_max=algo_max)
+    return _scales().delayed_state(history, scale, dtype, margin=margin, algo_max=algo_max)
 
 
 CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]

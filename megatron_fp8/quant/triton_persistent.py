@@ -52,16 +52,15 @@ import triton.language as tl
 from ..triton_launch import Launcher, cdiv
 from .tensor import aligned_scalars
 from .triton_cast import (
-    SCALE_STRIDE,
     TILE,
     _fp8_consts,
     _load_transposed,
     _quantize,
     _segment_of_row,
-    _tensor_scale,
     cast_warps,
     fp8_copies,
 )
+from .triton_scale import SCALE_STRIDE, _tensor_scale
 
 
 @triton.jit
