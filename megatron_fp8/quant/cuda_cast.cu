@@ -8,7 +8,7 @@
 // any use), casts the rowwise copy from registers and parks the BF16 tile in shared memory;
 // phase B reads each column of it, takes the column amax, casts, and writes the FP8 tile
 // transposed into shared memory (over the BF16 tile); phase C stores those rows 128 bytes a warp.
-// Compile with -DMODE=0|1|2 and -DE5M2=0|1.
+// Compile with -DMODE=0|1|2, -DE5M2=0|1 and -DMINB=<blocks an SM> (__launch_bounds__).
 #ifndef MODE
 #define MODE 0
 #endif
@@ -83,15 +83,21 @@ __device__ __forceinline__ Where locate(long long m0, long long k0, const long l
   return w;
 }
 
-// Phases A-C of one tile. d: this thread's 8 vectors (rows r0 + 16 i, BF16 8 v .. 8 v + 7),
-// parked in xs; the transposed FP8 tile then goes over xs.
-__device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *xs, float *part, float *red,
-                                          const Where &w, unsigned char *__restrict__ row,
-                                          float *__restrict__ row_s, unsigned char *__restrict__ col,
-                                          float *__restrict__ col_s, const float *__restrict__ tscale, int K,
-                                          int bm, int bk) {
+extern "C" __global__ void __launch_bounds__(256, MINB)
+cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,
+          unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
+          const float *__restrict__ tscale, int M, int K, int n_seg) {
+  __shared__ __align__(16) unsigned short xs[T * XS];
+  __shared__ float part[2 * T];
+  __shared__ float red[8];
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int v = t & 15, r0 = t >> 4;
+  const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each: rows r0 + 16 i
+  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
+  const int bm = blockIdx.x, bk = blockIdx.y;
+  uint4 d[8];  // every load issued before anything waits on one
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
+  const Where w = locate(m0, k0, seg, n_seg, M);
   float tile_s = 1.0f;
 #if MODE == 1
   float tmax = 0.0f;
@@ -172,23 +178,4 @@ __device__ __forceinline__ void cast_body(const uint4 (&d)[8], unsigned short *x
     const int kk = warp * 16 + j;
     *reinterpret_cast<unsigned *>(dst + (w.k0 + kk) * w.length + 4 * lane) = os[kk * OS + lane];
   }
-}
-
-#define ARGS                                                                                              \
-  const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,       \
-      unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,     \
-      const float *__restrict__ tscale, int M, int K, int n_seg
-
-// One tile a block (grid: M/128 x K/128); n_seg 0: one tensor, no segments.
-extern "C" __global__ void __launch_bounds__(256, MINB) cast_tile(ARGS) {
-  __shared__ __align__(16) unsigned short xs[T * XS];
-  __shared__ float part[2 * T];
-  __shared__ float red[8];
-  const int t = threadIdx.x, v = t & 15, r0 = t >> 4;
-  const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
-  uint4 d[8];  // every load issued before anything waits on one
-#pragma unroll
-  for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
-  const Where w = locate(m0, k0, seg, n_seg, M);
-  cast_body(d, xs, part, red, w, row, row_s, col, col_s, tscale, K, blockIdx.x, blockIdx.y);
 }
