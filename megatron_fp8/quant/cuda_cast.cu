@@ -88,8 +88,11 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
           unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
           const float *__restrict__ tscale, int M, int K, int n_seg) {
   __shared__ __align__(16) unsigned short xs[T * XS];
-  __shared__ float part[2 * T];
-  __shared__ float red[8];
+#if MODE == 0
+  __shared__ float part[2 * T];  // the column amaxes of the two row halves
+#elif MODE == 1
+  __shared__ float red[8];  // the warps' amaxes
+#endif
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each: rows r0 + 16 i
   const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
