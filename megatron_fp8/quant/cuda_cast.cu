@@ -96,7 +96,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each: rows r0 + 16 i
   const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
-  const int bm = blockIdx.x, bk = blockIdx.y;
+  [[maybe_unused]] const int bm = blockIdx.x, bk = blockIdx.y;  // scale indices (modes 0, 1)
   uint4 d[8];  // every load issued before anything waits on one
 #pragma unroll
   for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
