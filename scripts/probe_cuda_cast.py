@@ -35,8 +35,6 @@ from megatron_fp8.testing import capture_step, same_bits
 F8 = torch.float8_e4m3fn
 SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
-
-
 BLOCKS_PER_SM = (3, 4)
 
 

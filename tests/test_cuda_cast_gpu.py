@@ -25,8 +25,9 @@ def _input(m: int, k: int) -> torch.Tensor:
     return x.cuda()
 
 
-def _spy(monkeypatch) -> list[int]:
-    calls: list[int] = []
+def _spy(monkeypatch) -> list[bool]:
+    """Record whether each ``cuda_cast.cast_1x128`` call ran the kernel."""
+    calls: list[bool] = []
     real = cuda_cast.cast_1x128
 
     def counted(*args, **kwargs):

@@ -11,10 +11,10 @@ bits.
 
 Serves only what it was measured to win: both copies, BF16 input, rows and columns multiples of
 128, segments (experts) aligned to 128 rows; the tile kernel's other modes (128x128, tensor)
-gained only 2-4% over Triton's and stay with the probe. Anything else, or a build failure (no
-NVRTC), returns None and the caller's Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it
-off. Outputs are the Triton cast's raw buffers (``triton_cast._launch``), bit for bit: the GPU
-tests compare both with the CPU reference.
+gained only 2-4% over Triton's and stay with the probe. ``serves`` declines anything else, and
+``cast_1x128`` returns False where the kernel cannot be built (no NVRTC): either way the Triton
+cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
+(``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
 """
 
 from __future__ import annotations
