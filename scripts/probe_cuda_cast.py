@@ -12,7 +12,9 @@ and tensor (the current-scaling cast pass, given each expert's scale) at 3 or 4 
 (``MINB``: 80 or 64 registers; 1x128 spills 8 and 88 bytes). Two variants measured slower on
 2026-12-03 and left in git history (docs/benchmarks.md run V): persistent blocks fetching their
 next tile with ``cp.async`` into a double buffer, and the FP8 tile in a shared buffer of its own
-(phase B reading its column twice instead of holding it: 64 registers, no spills).
+(phase B reading its column twice instead of holding it: 64 registers, no spills). Not yet
+measured: the kernel's KFAST (a grid with the K tiles fastest, so that neighbouring blocks read
+neighbouring pieces of the same rows) and STREAM (evict-first FP8 stores) switches.
 
 Every variant must equal the package's cast (``triton_cast._launch``, as ``cast_tiles`` /
 ``cast_segments`` run it) bit for bit, with zeros, a large value and an infinity planted in x.
@@ -35,17 +37,19 @@ from megatron_fp8.testing import capture_step, same_bits
 F8 = torch.float8_e4m3fn
 SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
-BLOCKS_PER_SM = (3, 4)
+# (blocks an SM, KFAST, STREAM): the package's build first (3, 0, 0)
+VARIANTS = ((3, 0, 0), (4, 0, 0), (3, 1, 0), (3, 0, 1), (3, 1, 1))
 
 
 @functools.cache
-def _kernel(mode: str, minb: int):
+def _kernel(mode: str, minb: int, kfast: int = 0, stream: int = 0):
     return torch.cuda._compile_kernel(SRC.read_text(), "cast_tile",
-                                      nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0"])
+                                      nvcc_options=[f"-DMODE={MODES[mode]}", f"-DMINB={minb}", "-DE5M2=0",
+                                                    f"-DKFAST={kfast}", f"-DSTREAM={stream}"])
 
 
 def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None,
-              minb: int) -> tuple[torch.Tensor | None, ...]:
+              minb: int, kfast: int = 0, stream: int = 0) -> tuple[torch.Tensor | None, ...]:
     m, k = x.shape
     if m % TILE or k % TILE:
         raise ValueError("probe: M and K multiples of 128")
@@ -61,7 +65,8 @@ def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: 
     args = [x, row, row_s if row_s is not None else dummy, col, col_s if col_s is not None else dummy,
             offsets if seg else dummy, tscale if tscale is not None else dummy, m, k,
             offsets.numel() - 1 if seg else 0]
-    _kernel(mode, minb)(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1), args=args)
+    grid = (k // TILE, m // TILE, 1) if kfast else (m // TILE, k // TILE, 1)
+    _kernel(mode, minb, kfast, stream)(grid=grid, block=(256, 1, 1), args=args)
     return row, row_s, col, col_s
 
 
@@ -125,11 +130,11 @@ def main() -> None:
         us = _graphed_us(lambda: package(x, mode, offs, tscale))  # noqa: B023
         rows.append([name, "package (Triton)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
         print(rows[-1], flush=True)
-        for minb in BLOCKS_PER_SM:
-            label = f"CUDA, {minb} blocks/SM"
+        for minb, kfast, stream in VARIANTS:
+            label = f"CUDA, {minb} blocks/SM" + (", K-fast grid" if kfast else "") + (", .cs stores" if stream else "")
             try:
-                same = same_bits(cuda_cast(x, mode, offs, tscale, minb), ref)
-                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb))  # noqa: B023
+                same = same_bits(cuda_cast(x, mode, offs, tscale, minb, kfast, stream), ref)
+                us = _graphed_us(lambda: cuda_cast(x, mode, offs, tscale, minb, kfast, stream))  # noqa: B023
                 rows.append([name, label, f"{us:.1f}", f"{least / us / 1e3:.0f}", "equal" if same else "DIFFER"])
             except Exception as exc:  # a probe: report and go on
                 rows.append([name, label, "failed", str(exc)[:80].replace("|", "/"), ""])

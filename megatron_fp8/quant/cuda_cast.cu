@@ -8,7 +8,11 @@
 // any use), casts the rowwise copy from registers and parks the BF16 tile in shared memory;
 // phase B reads each column of it, takes the column amax, casts, and writes the FP8 tile
 // transposed into shared memory (over the BF16 tile); phase C stores those rows 128 bytes a warp.
-// Compile with -DMODE=0|1|2, -DE5M2=0|1 and -DMINB=<blocks an SM> (__launch_bounds__).
+// Compile with -DMODE=0|1|2, -DE5M2=0|1 and -DMINB=<blocks an SM> (__launch_bounds__). Two
+// switches for scripts/probe_cuda_cast.py, off by default (not yet measured): -DKFAST=1, the grid
+// is K/128 x M/128 (neighbouring blocks read neighbouring 256-byte pieces of the same rows,
+// instead of the same columns of neighbouring row tiles); -DSTREAM=1, the FP8 copies are
+// stored with the evict-first hint (st.global.cs).
 #ifndef MODE
 #define MODE 0
 #endif
@@ -26,6 +30,17 @@
 #endif
 #ifndef MINB
 #define MINB 4  // blocks an SM: 4 caps the registers at 64
+#endif
+#ifndef KFAST
+#define KFAST 0
+#endif
+#ifndef STREAM
+#define STREAM 0
+#endif
+#if STREAM
+#define STORE(ptr, val) __stcs(ptr, val)
+#else
+#define STORE(ptr, val) (*(ptr) = (val))
 #endif
 #define T 128
 #define XS 136  // BF16 elements per shared row: 272 bytes, 16-byte aligned
@@ -83,6 +98,8 @@ __device__ __forceinline__ Where locate(long long m0, long long k0, const long l
   return w;
 }
 
+// One tile a block (grid: M/128 x K/128, or K/128 x M/128 with KFAST); seg: the segments'
+// offsets, n_seg 0: one tensor.
 extern "C" __global__ void __launch_bounds__(256, MINB)
 cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,
           unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
@@ -95,8 +112,13 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
 #endif
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int v = t & 15, r0 = t >> 4;  // 16 threads a row, 8 BF16 each: rows r0 + 16 i
+#if KFAST
+  const long long m0 = (long long)blockIdx.y * T, k0 = (long long)blockIdx.x * T;
+  [[maybe_unused]] const int bm = blockIdx.y, bk = blockIdx.x;  // scale indices (modes 0, 1)
+#else
   const long long m0 = (long long)blockIdx.x * T, k0 = (long long)blockIdx.y * T;
   [[maybe_unused]] const int bm = blockIdx.x, bk = blockIdx.y;  // scale indices (modes 0, 1)
+#endif
   uint4 d[8];  // every load issued before anything waits on one
 #pragma unroll
   for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
@@ -142,7 +164,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
     uint2 q;
     q.x = pack4(lo_f(u[0]) * s, hi_f(u[0]) * s, lo_f(u[1]) * s, hi_f(u[1]) * s);
     q.y = pack4(lo_f(u[2]) * s, hi_f(u[2]) * s, lo_f(u[3]) * s, hi_f(u[3]) * s);
-    *reinterpret_cast<uint2 *>(row + (w.m0 + r) * K + w.k0 + 8 * v) = q;
+    STORE(reinterpret_cast<uint2 *>(row + (w.m0 + r) * K + w.k0 + 8 * v), q);
     *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
   }
   __syncthreads();
@@ -179,6 +201,6 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int kk = warp * 16 + j;
-    *reinterpret_cast<unsigned *>(dst + (w.k0 + kk) * w.length + 4 * lane) = os[kk * OS + lane];
+    STORE(reinterpret_cast<unsigned *>(dst + (w.k0 + kk) * w.length + 4 * lane), os[kk * OS + lane]);
   }
 }
