@@ -1,5 +1,5 @@
 """``quant/cuda_cast.cu`` builds for SM90 in every configuration the package and the probe use
-(mode, FP8 format, blocks an SM, the probe's KFAST and STREAM switches), on a machine without a
+(mode, FP8 format, blocks an SM, the probe's KFAST, STREAM and NOCLAMP switches), on a machine without a
 GPU: NVRTC compiles it to an sm_90 CUBIN (its ptxas included), as ``torch.cuda._compile_kernel``
 will on the device. Catches a kernel that would not build before device time is spent on it.
 
@@ -45,17 +45,16 @@ def _build(options: list[str]) -> tuple[int, str]:
     return rc, log.value.decode(errors="replace")
 
 
-# every mode and format at 3 blocks an SM (the package's build: mode 0, 3, no switches) with the
-# probe's switches, and at 4 without them
-CONFIGS = [(mode, e5m2, minb, kfast, stream)
-           for mode, e5m2, minb, kfast, stream in itertools.product((0, 1, 2), (0, 1), (3, 4), (0, 1), (0, 1))
-           if minb == 3 or (kfast, stream) == (0, 0)]
+# (blocks an SM, KFAST, STREAM, NOCLAMP): the package's build (3, no switches) and every variant
+# scripts/probe_cuda_cast.py times, in every mode and format
+VARIANTS = [(3, 0, 0, 0), (4, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1), (4, 0, 0, 1), (3, 1, 1, 1)]
+CONFIGS = [(mode, e5m2, *v) for mode, e5m2, v in itertools.product((0, 1, 2), (0, 1), VARIANTS)]
 
 
-@pytest.mark.parametrize("mode,e5m2,minb,kfast,stream", CONFIGS)
-def test_builds_without_warnings(mode: int, e5m2: int, minb: int, kfast: int, stream: int) -> None:
+@pytest.mark.parametrize("mode,e5m2,minb,kfast,stream,noclamp", CONFIGS)
+def test_builds_without_warnings(mode: int, e5m2: int, minb: int, kfast: int, stream: int, noclamp: int) -> None:
     rc, log = _build([f"-DMODE={mode}", f"-DE5M2={e5m2}", f"-DMINB={minb}", f"-DKFAST={kfast}",
-                      f"-DSTREAM={stream}"])
+                      f"-DSTREAM={stream}", f"-DNOCLAMP={noclamp}"])
     assert rc == 0, log
     assert "warning" not in log.lower(), log
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
