@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}/{args.rounds}: {name}", flush=True)
             per_round.append(parse_table(run_once(command, setting)))
         readings.append(per_round)
-    header, rows = summarize(readings, names, args.key.split(","), args.column, args.match)
-    print(f"\n{' '.join(command)}; {args.rounds} rounds, settings alternated, one process each\n")
-    print(markdown_table(header, rows))
+        # the table so far after every round: a run cut short by a time limit keeps its readings
+        header, rows = summarize(readings, names, args.key.split(","), args.column, args.match)
+        print(f"\n{' '.join(command)}; {r + 1} of {args.rounds} rounds, settings alternated, one process each\n")
+        print(markdown_table(header, rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Grouped (MoE expert) GEMM benchmark (GPU): BF16 ``torch._grouped_mm`` vs our FP8
 ``GroupedLinear`` per recipe, forward and forward+backward, casts included; TFLOP/s table + PNG.
 
-    python scripts/bench_grouped.py [--experts 8] [--tokens 2048] [--recipes current blockwise ...] [--out DIR]
+    python scripts/bench_grouped.py [--experts 8] [--tokens 2048] [--recipes current blockwise ...] [--graphed-only] [--out DIR]
 
 Shapes (issue 5): 8 experts x 2048 tokens each, (K=4096, N=2048) and (K=2048, N=7168).
 FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.
@@ -89,7 +89,8 @@ def _fp8_grouped(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits
     return fwd, fwd_bwd
 
 
-def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -> list[list[object]]:
+def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], graphed_only: bool = False
+                ) -> list[list[object]]:
     m = experts * tokens
     splits = [tokens] * experts
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # dgrad is part of the step
@@ -117,7 +118,7 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str]) -
     for name in recipes:
         for flag, cached, graphed in ((False, False, False), (True, False, False), (False, True, False),
                                       (False, False, True), (True, False, True), (False, True, True)):
-            if graphed and name not in GRAPHED:
+            if (graphed and name not in GRAPHED) or (graphed_only and not graphed):
                 continue
             layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
                                   save_original_input=flag)
@@ -144,6 +145,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per expert")
     p.add_argument("--recipes", nargs="*", default=["current", "blockwise", "delayed"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--graphed-only", action="store_true",
+                   help="only the graphed FP8 rows (recipes current and blockwise): quicker A/B runs")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped.py needs CUDA (run it on the device machine)")
@@ -152,7 +155,7 @@ def main() -> None:
     for k, n in SHAPES:
         shape = f"{args.experts}x{args.tokens} K={k} N={n}"
         groups.append(shape)
-        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes):
+        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes, args.graphed_only):
             table.append([shape, *row])
             if isinstance(row[4], float):
                 series.setdefault(str(row[0]), []).append(row[4])

@@ -42,16 +42,22 @@ def _run(tmp_path: Path, *extra: str) -> tuple[str, list[str]]:
     return done.stdout, log.read_text().split()
 
 
+def _final_rows(out: str) -> list[str]:
+    """The table printed after the last round (one is printed after every round)."""
+    return [ln for ln in out.split("2 of 2 rounds")[-1].splitlines() if ln.startswith("| s1")]
+
+
 def test_settings_alternate_and_readings_summarize(tmp_path: Path) -> None:
     out, order = _run(tmp_path, "--match", "CUDA graph")
     assert order == ["1", "1.5", "1", "1.5"]  # A B A B, one process each
-    rows = [ln for ln in out.splitlines() if ln.startswith("| s1")]
-    assert rows == ["| s1 | a (CUDA graph) | 2 / 2 | 2 | 3 / 3 | 3 | 1.500 |"]
+    assert _final_rows(out) == ["| s1 | a (CUDA graph) | 2 / 2 | 2 | 3 / 3 | 3 | 1.500 |"]
+    first = out.split("1 of 2 rounds")[1].split("2 of 2 rounds")[0]  # the table after round 1
+    assert "| s1 | a (CUDA graph) | 2 | 2 | 3 | 3 | 1.500 |" in first
 
 
 def test_without_match_every_numeric_row(tmp_path: Path) -> None:
     out, _ = _run(tmp_path)
-    rows = [ln for ln in out.splitlines() if ln.startswith("| s1")]
+    rows = _final_rows(out)
     assert [r.split(" | ")[1] for r in rows] == ["a (CUDA graph)", "b"]  # c has no number
     assert rows[1].endswith("| 4 / 4 | 4 | 6 / 6 | 6 | 1.500 |")
 

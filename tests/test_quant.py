@@ -230,3 +230,26 @@ def test_delayed_most_recent() -> None:
         with fp8_autocast():
             s = q.quantize(torch.full((4, 4), a)).scale.item()
     assert s == pytest.approx(448.0 / 1.0)  # the newest past amax, not the max
+
+
+def test_cast_clamp_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_CAST_CLAMP``: the GPU kernels' clamp before the FP8 conversion, on by
+    default, off on request, always on under the Triton interpreter, whose conversion is torch's
+    on the CPU: that one turns E5M2 inf into inf (the GPU's ``.satfinite`` and the reference give
+    FP8_MAX), so there the clamp is what makes the reference's bits."""
+    from megatron_fp8.quant.formats import cast_clamp
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MEGATRON_FP8_CAST_CLAMP", raising=False)
+    assert cast_clamp()
+    monkeypatch.setenv("MEGATRON_FP8_CAST_CLAMP", "0")
+    assert not cast_clamp()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert cast_clamp()
+    monkeypatch.setenv("MEGATRON_FP8_CAST_CLAMP", "off")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_CAST_CLAMP='off'"):
+        cast_clamp()
+    big = torch.tensor([float("inf"), -1.0e6])
+    assert torch.isinf(big.to(torch.float8_e5m2).float()).all()  # the CPU conversion alone
+    m = torch.finfo(torch.float8_e5m2).max
+    assert torch.equal(big.clamp(-m, m).to(torch.float8_e5m2).float(), torch.tensor([m, -m]))

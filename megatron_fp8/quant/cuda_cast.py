@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .formats import cast_clamp
+
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
 _BLOCKS_PER_SM = 3  # 80 registers; at 4 (64 registers, 88 bytes spilled) it ran 5-10% slower
@@ -44,7 +46,8 @@ def _kernel(e5m2: bool, device: int) -> Any | None:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile",
                                               nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
-                                                            f"-DMINB={_BLOCKS_PER_SM}"])
+                                                            f"-DMINB={_BLOCKS_PER_SM}",
+                                                            f"-DNOCLAMP={int(not cast_clamp())}"])
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
         warnings.warn(f"megatron_fp8: the CUDA 1x128 cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 
 import torch
 
@@ -15,6 +16,21 @@ def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_DTYPES:
         raise ValueError(f"{dtype} is not an FP8 dtype; expected one of {FP8_DTYPES}")
     return float(torch.finfo(dtype).max)
+
+
+def cast_clamp() -> bool:
+    """Whether the GPU cast kernels clamp to +-FP8_MAX before converting to FP8
+    (``MEGATRON_FP8_CAST_CLAMP``: ``1``, the default, or ``0``; anything else raises).
+
+    The reference clamps, then rounds (``reference.quantize``). On the GPU the conversion
+    (``cvt.rn.satfinite``) gives the same bits without the clamp: +-inf and values past FP8_MAX
+    become +-FP8_MAX, NaN stays NaN. Under the Triton interpreter the conversion is torch's on
+    the CPU, which turns E5M2 overflow into inf, so the clamp is always kept there."""
+    v = os.environ.get("MEGATRON_FP8_CAST_CLAMP", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MEGATRON_FP8_CAST_CLAMP={v!r}; allowed: '1' (clamp before the FP8 conversion) or '0' "
+                         "(leave saturation to the GPU conversion)")
+    return v == "1" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_high_precision(x: torch.Tensor, what: str) -> None:

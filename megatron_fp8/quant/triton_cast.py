@@ -41,6 +41,9 @@ The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two 
 come from the exponent and mantissa bits of the amax (no division), values are multiplied by
 the scale, clamped to +-FP8_MAX with NaN kept, and rounded to nearest-even by the FP8
 conversion. The GPU tests compare every output with the CPU reference with ``torch.equal``.
+On the GPU the conversion (``cvt.rn.satfinite``) saturates by itself: +-inf and anything past
+FP8_MAX become +-FP8_MAX and NaN stays NaN, so the explicit clamp is the same bits
+(``formats.cast_clamp``); the interpreter's conversion (torch's, on the CPU) needs it.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import triton.language as tl
 
 from ..triton_launch import Launcher, cdiv
 from . import cuda_cast
-from .formats import fp8_max
+from .formats import cast_clamp, fp8_max
 from .tensor import aligned_scalars
 from .triton_scale import _R, SCALE_STRIDE, _amax_of_partials, _amax_partials, _tensor_scale
 
@@ -80,11 +83,15 @@ def _pow2_scale(amax, F_EXP: tl.constexpr, F_MANT: tl.constexpr):
     return tl.where(good, scale, 1.0), tl.where(good, inv, 1.0)
 
 
+_CLAMP = tl.constexpr(cast_clamp())
+
+
 @triton.jit
 def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
     v = v * scale
-    v = tl.minimum(tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    if _CLAMP:
+        v = tl.minimum(tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
+                       propagate_nan=tl.PropagateNan.ALL)
     return v.to(OUT)
 
 
