@@ -1,7 +1,8 @@
 """Grouped (MoE expert) GEMM benchmark (GPU): BF16 ``torch._grouped_mm`` vs our FP8
 ``GroupedLinear`` per recipe, forward and forward+backward, casts included; TFLOP/s table + PNG.
 
-    python scripts/bench_grouped.py [--experts 8] [--tokens 2048] [--recipes current blockwise ...] [--graphed-only] [--out DIR]
+    python scripts/bench_grouped.py [--experts 8] [--tokens 2048] [--recipes current blockwise ...] \\
+        [--graphed-only] [--out DIR]
 
 Shapes (issue 5): 8 experts x 2048 tokens each, (K=4096, N=2048) and (K=2048, N=7168).
 FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.

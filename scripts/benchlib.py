@@ -97,7 +97,7 @@ def host_and_device_ms(fn: Callable[[], object], n: int = 20) -> tuple[float, fl
 # settings that change which kernels run (named in the tables when set)
 _SETTINGS = ("CUBLASLT_WORKSPACE_SIZE", "MEGATRON_FP8_GEMM_BACKEND", "MEGATRON_FP8_GROUPED_GEMM",
              "MEGATRON_FP8_ONE_LAUNCH_CAST", "MEGATRON_FP8_CAST_BACKEND", "MEGATRON_FP8_CUDA_CAST",
-             "MEGATRON_FP8_CAST_CLAMP")
+             "MEGATRON_FP8_CAST_CLAMP", "MEGATRON_FP8_CUDA_CURRENT")
 
 
 def environment() -> str:

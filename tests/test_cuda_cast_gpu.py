@@ -1,7 +1,8 @@
-"""The CUDA C 1x128 cast (``quant.cuda_cast``) against the Triton cast it stands in for and the
-CPU reference, bit for bit: plain tensors and experts (empty ones included), E4M3 and E5M2,
-zeros, NaN, inf and subnormal inputs; and the casts it must leave to Triton (skip without CUDA;
-run on the device machine)."""
+"""The CUDA C tile casts (``quant.cuda_cast``: 1x128, 128x128, tensor with given scales, and
+current scaling through it) against the Triton casts they stand in for and the CPU reference,
+bit for bit: plain tensors and experts (empty ones included), E4M3 and E5M2, zeros, NaN, inf,
+overflowing and subnormal inputs; and the casts it must leave to Triton (skip without CUDA; run
+on the device machine)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,16 @@ def _input(m: int, k: int) -> torch.Tensor:
 
 
 def _spy(monkeypatch) -> list[bool]:
-    """Record whether each ``cuda_cast.cast_1x128`` call ran the kernel."""
+    """Record whether each ``cuda_cast.cast`` call ran the kernel."""
     calls: list[bool] = []
-    real = cuda_cast.cast_1x128
+    real = cuda_cast.cast
 
     def counted(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out)
         return out
 
-    monkeypatch.setattr(cuda_cast, "cast_1x128", counted)
+    monkeypatch.setattr(cuda_cast, "cast", counted)
     return calls
 
 
@@ -76,11 +77,77 @@ def test_segments_equal_triton(splits: list[int], dtype: torch.dtype, monkeypatc
 
 def test_leaves_other_casts_to_triton() -> None:
     x = torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda")
-    assert cuda_cast.serves(x, E4, True, True, True)
-    assert not cuda_cast.serves(x.float(), E4, True, True, True)  # FP32 input
-    assert not cuda_cast.serves(x[:200], E4, True, True, True)  # rows not a multiple of 128
-    assert not cuda_cast.serves(x[:, :200].contiguous(), E4, True, True, True)  # columns likewise
-    assert not cuda_cast.serves(x, E4, True, False, True)  # one copy only
-    assert not cuda_cast.serves(x, E4, False, True, True)
-    assert not cuda_cast.serves(x, E4, True, True, False)  # segments not aligned to 128 rows
-    assert not cuda_cast.serves(x.t(), E4, True, True, True)  # not contiguous
+    for mode in ("1x128", "128x128", "tensor"):
+        assert cuda_cast.serves(x, E4, mode, True, True, True)
+    assert not cuda_cast.serves(x, E4, "tensor", True, True, True, scale_given=False)  # fused current cast
+    assert not cuda_cast.serves(x, E4, "mx", True, True, True)
+    assert not cuda_cast.serves(x.float(), E4, "1x128", True, True, True)  # FP32 input
+    assert not cuda_cast.serves(x[:200], E4, "1x128", True, True, True)  # rows not a multiple of 128
+    assert not cuda_cast.serves(x[:, :200].contiguous(), E4, "1x128", True, True, True)  # columns likewise
+    assert not cuda_cast.serves(x, E4, "1x128", True, False, True)  # one copy only
+    assert not cuda_cast.serves(x, E4, "1x128", False, True, True)
+    assert not cuda_cast.serves(x, E4, "tensor", True, True, False)  # segments not aligned to 128 rows
+    assert not cuda_cast.serves(x.t(), E4, "1x128", True, True, True)  # not contiguous
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [None, [2048] * 4, [0, 256, 128, 0, 384, 1280]])
+@pytest.mark.parametrize("mode", ["128x128", "tensor"])
+def test_other_modes_equal_triton(mode: str, splits: list[int] | None, dtype: torch.dtype, monkeypatch) -> None:
+    """128x128 (the experts' weights stacked) and tensor mode with given per-segment scales
+    (delayed scaling) that make values overflow: CUDA == Triton, bit for bit."""
+    from megatron_fp8.quant.kernels import aligned_copy
+    from megatron_fp8.quant.triton_cast import cast_segments, cast_tiles
+
+    x = _input(sum(splits) if splits else 1024, 512)
+    n = len(splits) if splits else 1
+    scale = aligned_copy(torch.logspace(-2, 4, n, device="cuda")) if mode == "tensor" else None
+    calls = _spy(monkeypatch)
+
+    def run() -> list[torch.Tensor]:
+        if splits is None:
+            row, col = cast_tiles(x, dtype, mode, True, True, scale)
+            return [t for t in (*row, *col) if t is not None]
+        return [t for t in cast_segments(x, segment_offsets(splits, x.device), splits, dtype, mode, True, True, scale)
+                if t is not None]
+
+    got = run()
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "0")
+    want = run()
+    assert calls == [True]
+    assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("splits", [None, [2048] * 4, [256, 128, 384, 1280]])
+def test_current_scaling_through_cuda_equals_one_launch(splits: list[int] | None, dtype: torch.dtype,
+                                                        monkeypatch) -> None:
+    """``MEGATRON_FP8_CUDA_CURRENT=1``: amax and scale launches, then the CUDA tensor cast; the
+    same data and scales as the one-launch Triton cast, and (plain) as the CPU reference."""
+    from megatron_fp8.quant import kernels
+    from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
+
+    x = _input(sum(splits) if splits else 1024, 512)
+    x[x.isnan() | x.isinf()] = 1.0  # current scaling's amax would make the scale 1
+
+    def run() -> list[torch.Tensor]:
+        if splits is None:
+            out = kernels.cast_current(x, dtype, True, True, power_2_scale=False, amax_epsilon=0.0)
+        else:
+            out = kernels.cast_current_segments(x, splits, dtype, True, True, power_2_scale=False, amax_epsilon=0.0)
+        return list(out)
+
+    calls = _spy(monkeypatch)
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "1")
+    got = run()
+    assert calls == [True]
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "0")
+    want = run()
+    assert calls == [True]
+    assert same_bits(got, want)
+    if splits is None:
+        monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "1")
+        q = CurrentScalingQuantizer(dtype)
+        on_gpu = q.quantize(x, rowwise=True, columnwise=True)
+        on_cpu = q.quantize(x.cpu(), rowwise=True, columnwise=True)
+        assert same_bits(list(on_gpu.tensors()), list(on_cpu.tensors()))

@@ -233,17 +233,18 @@ def test_delayed_most_recent() -> None:
 
 
 def test_cast_clamp_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MEGATRON_FP8_CAST_CLAMP``: the GPU kernels' clamp before the FP8 conversion, on by
-    default, off on request, always on under the Triton interpreter, whose conversion is torch's
-    on the CPU: that one turns E5M2 inf into inf (the GPU's ``.satfinite`` and the reference give
-    FP8_MAX), so there the clamp is what makes the reference's bits."""
+    """``MEGATRON_FP8_CAST_CLAMP``: the GPU kernels' clamp before the FP8 conversion, off by
+    default (the GPU's ``.satfinite`` conversion saturates), on on request, always on under the
+    Triton interpreter, whose conversion is torch's on the CPU: that one turns E5M2 inf into inf
+    (the reference gives FP8_MAX), so there the clamp is what makes the reference's bits."""
     from megatron_fp8.quant.formats import cast_clamp
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MEGATRON_FP8_CAST_CLAMP", raising=False)
+    assert not cast_clamp()
+    monkeypatch.setenv("MEGATRON_FP8_CAST_CLAMP", "1")
     assert cast_clamp()
     monkeypatch.setenv("MEGATRON_FP8_CAST_CLAMP", "0")
-    assert not cast_clamp()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert cast_clamp()
     monkeypatch.setenv("MEGATRON_FP8_CAST_CLAMP", "off")

@@ -1,19 +1,22 @@
-"""The 1x128 row + column cast of BF16 tensors as a CUDA C kernel (``cuda_cast.cu``), compiled at
+"""The tile casts of BF16 tensors (both copies) as a CUDA C kernel (``cuda_cast.cu``), compiled at
 first use by NVRTC through ``torch.cuda._compile_kernel``.
 
-The Triton cast (``triton_cast``) loads each 128x128 tile twice for this cast: the column half
-re-reads it transposed, because transposing inside Triton cost more. Here a block of 256
-threads loads its tile once, casts the rowwise copy from registers, takes the column amaxes
-from the tile parked in shared memory and writes the transposed FP8 tile out 128 bytes a warp.
-Measured on an H200 (``scripts/probe_cuda_cast.py``, docs/benchmarks.md run V): x 16384x4096
-113 -> 88 us, eight experts' x at K=4096 112 -> 91 us, their dy at N=7168 190 -> 153 us; same
-bits.
+A block of 256 threads owns a 128x128 tile: it loads the tile once, casts the rowwise copy from
+registers, takes the column amaxes (1x128) from the tile parked in shared memory and writes the
+transposed FP8 tile out 128 bytes a warp. The Triton cast (``triton_cast``) re-reads the tile
+transposed for its 1x128 column copy. Built with the K tiles fastest in the grid, evict-first
+FP8 stores and, unless ``formats.cast_clamp`` says otherwise, no clamp ahead of the conversion
+(whose ``.satfinite`` gives the same bits). Measured on an H200 (``scripts/probe_cuda_cast.py``,
+docs/benchmarks.md run W), Triton -> CUDA: eight experts' x at K=4096 112 -> 77 us (1x128),
+their dy at N=7168 190 -> 128 us, their weights 83 -> 74 us (128x128), x with given per-expert
+scales 82 -> 73 us (tensor); same bits.
 
-Serves only what it was measured to win: both copies, BF16 input, rows and columns multiples of
-128, segments (experts) aligned to 128 rows; the tile kernel's other modes (128x128, tensor)
-gained only 2-4% over Triton's and stay with the probe. ``serves`` declines anything else, and
-``cast_1x128`` returns False where the kernel cannot be built (no NVRTC): either way the Triton
-cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
+Serves both copies of a BF16 tensor whose rows and columns are multiples of 128, with segments
+(experts) aligned to 128 rows, in the three modes: ``1x128``, ``128x128`` and ``tensor`` with
+the scales given (delayed scaling, and current scaling's cast after its amax and scale
+launches: ``triton_cast.cast_current``). ``serves`` declines anything else, and ``cast``
+returns False where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
+``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
 (``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
 """
 
@@ -32,48 +35,66 @@ from .formats import cast_clamp
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
 _BLOCKS_PER_SM = 3  # 80 registers; at 4 (64 registers, 88 bytes spilled) it ran 5-10% slower
+_MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 
 
 def enabled() -> bool:
     return os.environ.get("MEGATRON_FP8_CUDA_CAST", "1") != "0"
 
 
+def current_enabled() -> bool:
+    """``MEGATRON_FP8_CUDA_CURRENT=1``: current scaling's casts of the tensors ``serves`` takes
+    run as amax and scale launches, then this kernel with the scales given, instead of the
+    one-launch Triton cast (``triton_cast.cast_current``); ``0`` (the default) or unset: not."""
+    v = os.environ.get("MEGATRON_FP8_CUDA_CURRENT", "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MEGATRON_FP8_CUDA_CURRENT={v!r}; allowed: '0' or '1'")
+    return v == "1" and enabled()
+
+
 @functools.cache
-def _kernel(e5m2: bool, device: int) -> Any | None:
-    """The compiled 1x128 kernel for ``device``, or None (with one warning) where it cannot be
-    built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
+def _kernel(mode: str, e5m2: bool, clamp: bool, device: int) -> Any | None:
+    """The compiled kernel for ``mode`` on ``device``, or None (with one warning) where it cannot
+    be built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
+    options = [f"-DMODE={_MODES[mode]}", f"-DE5M2={int(e5m2)}", f"-DMINB={_BLOCKS_PER_SM}", "-DKFAST=1",
+               "-DSTREAM=1", f"-DNOCLAMP={int(not clamp)}"]
     try:
         with torch.cuda.device(device):
-            return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile",
-                                              nvcc_options=["-DMODE=0", f"-DE5M2={int(e5m2)}",
-                                                            f"-DMINB={_BLOCKS_PER_SM}",
-                                                            f"-DNOCLAMP={int(not cast_clamp())}"])
+            return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile", nvcc_options=options)
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
-        warnings.warn(f"megatron_fp8: the CUDA 1x128 cast could not be built ({type(exc).__name__}: {exc}); "
+        warnings.warn(f"megatron_fp8: the CUDA {mode} cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)
         return None
 
 
-def serves(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, aligned: bool) -> bool:
-    """Whether ``cast_1x128`` takes this cast (then only a build failure sends it back)."""
+def serves(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool, aligned: bool,
+           scale_given: bool = True) -> bool:
+    """Whether ``cast`` takes this cast (then only a build failure sends it back). ``aligned``:
+    no segments, or every segment a multiple of 128 rows; ``scale_given``: tensor mode's scales
+    exist before the cast (not computed inside it, as the fused Triton cast does)."""
     m, k = x.shape
     return (enabled() and x.is_cuda and x.dtype == torch.bfloat16 and rowwise and columnwise and aligned
+            and mode in _MODES and (mode != "tensor" or scale_given)
             and m > 0 and k > 0 and m % TILE == 0 and k % TILE == 0 and x.is_contiguous()
             and fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
-def cast_1x128(x: torch.Tensor, fp8_dtype: torch.dtype, offsets: torch.Tensor | None, n_seg: int,
-               row: torch.Tensor, row_s: torch.Tensor, col: torch.Tensor, col_s: torch.Tensor) -> bool:
-    """Cast ``x [M, K]`` into the Triton cast's buffers (``triton_cast._launch``): ``row [M, K]``,
-    ``row_s [K/128 * M]``, ``col`` and ``col_s [M/128, K]``. False where the kernel cannot be
-    built (nothing written). ``offsets``: the segments' device prefix sums (every one a multiple
-    of 128), or None for one tensor. Only for casts ``serves`` accepts."""
-    kernel = _kernel(fp8_dtype == torch.float8_e5m2, x.device.index if x.device.index is not None
-                     else torch.cuda.current_device())
+def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tensor | None, n_seg: int,
+         row: torch.Tensor, row_s: torch.Tensor | None, col: torch.Tensor, col_s: torch.Tensor | None,
+         tensor_scale: torch.Tensor | None = None) -> bool:
+    """Cast ``x [M, K]`` into the Triton cast's buffers (``triton_cast._launch``): ``row [M, K]``
+    and ``col``, with ``row_s [K/128 * M]`` and ``col_s [M/128, K]`` (1x128), ``row_s [M/128,
+    K/128]`` (128x128), or the segments' given scales ``tensor_scale``, 16 bytes apart (tensor).
+    False where the kernel cannot be built (nothing written). ``offsets``: the segments' device
+    prefix sums (every one a multiple of 128), or None for one tensor. Only for casts ``serves``
+    accepts."""
+    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2, cast_clamp(),
+                     x.device.index if x.device.index is not None else torch.cuda.current_device())
     if kernel is None:
         return False
     m, k = x.shape
     seg = offsets if offsets is not None else x  # unread when n_seg is 0
-    kernel(grid=(m // TILE, k // TILE, 1), block=(256, 1, 1),
-           args=[x, row, row_s, col, col_s, seg, x, m, k, n_seg if offsets is not None else 0])
+    kernel(grid=(k // TILE, m // TILE, 1), block=(256, 1, 1),  # KFAST: the K tiles fastest
+           args=[x, row, row_s if row_s is not None else x, col, col_s if col_s is not None else x, seg,
+                 tensor_scale if tensor_scale is not None else x, m, k, n_seg if offsets is not None else 0])
     return True

@@ -13,8 +13,9 @@ mode           rowwise copy ``[M, K]``                columnwise copy ``[K, M]``
 ``tensor``     the given per-tensor scale             the same scale
 =============  =====================================  ======================================
 
-The 1x128 row + column cast of BF16 tiles goes to the CUDA C kernel of ``cuda_cast`` (the tile
-loaded once; measured faster) where that serves; its outputs are these kernels', bit for bit.
+Row + column casts of BF16 tiles in every mode (tensor mode with its scales given) go to the
+CUDA C kernel of ``cuda_cast`` (the tile loaded once; measured faster) where that serves; its
+outputs are these kernels', bit for bit.
 
 1x128 scales are written in the layout the SM90 block GEMM reads (the scaled dim outermost:
 storage ``[K/128, M]`` viewed as ``[M, K/128]``), so the GEMM core copies nothing.
@@ -59,7 +60,7 @@ from ..triton_launch import Launcher, cdiv
 from . import cuda_cast
 from .formats import cast_clamp, fp8_max
 from .tensor import aligned_scalars
-from .triton_scale import _R, SCALE_STRIDE, _amax_of_partials, _amax_partials, _tensor_scale
+from .triton_scale import _R, SCALE_STRIDE, _amax_of_partials, _amax_partials, _tensor_scale, amax_and_scale
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
@@ -329,11 +330,12 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     if mode == "1x128":
         row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
         col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
-        if (cuda_cast.serves(x, fp8_dtype, rowwise, columnwise, offsets is None or aligned)
-                and cuda_cast.cast_1x128(x, fp8_dtype, offsets, n_seg, row, row_s, col, col_s)):
-            return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
     elif mode == "128x128":
         row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
+    if (cuda_cast.serves(x, fp8_dtype, mode, rowwise, columnwise, offsets is None or aligned,
+                         scale_given=fused is None and tensor_scale is not None)
+            and cuda_cast.cast(x, fp8_dtype, mode, offsets, n_seg, row, row_s, col, col_s, tensor_scale)):
+        return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
     fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
     dummy = x  # placeholder pointer for absent outputs
 
@@ -367,12 +369,19 @@ def cast_current(
     cast of ``triton_persistent``; the caller decides, as ``kernels.cast_current`` does by
     ``one_launch_ok``); otherwise two: amax partials, then the cast, whose programs turn them into
     the scale."""
+    n_seg = len(splits) if splits is not None else 1
+    if (cuda_cast.current_enabled() and x.numel()
+            and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True)):
+        # amax and scale (two small launches), then the CUDA tile cast with the scales given
+        _, scale, inv = amax_and_scale(x, fp8_dtype, offsets=offsets, n_seg=n_seg, power_2_scale=power_2_scale,
+                                       amax_epsilon=amax_epsilon)
+        raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=True)
+        return raw[0], raw[2], scale, inv
     if one_launch and x.numel():
         return _persistent().cast_current_persistent(x, fp8_dtype, rowwise, columnwise, power_2_scale=power_2_scale,
                                                      amax_epsilon=amax_epsilon, splits=splits, offsets=offsets)
     x = x.contiguous()
     part, s = _amax_partials(x, per_program=True)
-    n_seg = len(splits) if splits is not None else 1
     scale, inv = aligned_scalars(n_seg, x.device), aligned_scalars(n_seg, x.device)
     fused = _Fused(part, s, inv, amax_epsilon, power_2_scale)
     raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=splits is not None,
