@@ -118,9 +118,10 @@ def test_one_launch_on_streams_and_in_graphs(per_sm: int, monkeypatch: pytest.Mo
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The package's current-scaling cast (``kernels.cast_current``) takes the one-launch path on
-    CUDA when it is on (not under the interpreter, not for an empty tensor), and the two-launch
-    path when it is off."""
+    """The package's current-scaling cast (``kernels.cast_current``), the CUDA tile cast aside
+    (``MEGATRON_FP8_CUDA_CURRENT=0``; ``test_cuda_cast_gpu.py`` checks that dispatch), takes the
+    one-launch path on CUDA when it is on (not under the interpreter, not for an empty tensor),
+    and the two-launch path when it is off."""
     calls: list[int] = []
     real = triton_persistent.cast_current_persistent
 
@@ -130,6 +131,7 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(triton_persistent, "cast_current_persistent", spy)
     monkeypatch.setattr(triton_persistent, "ENABLED", True)
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "0")  # else the CUDA tile cast takes BF16 tensors on CUDA
     x = _input((256, 256), None)
     kw = dict(power_2_scale=False, amax_epsilon=0.0)
     assert kernels.cast_current(x, E4, True, True, **kw) is not None
@@ -169,6 +171,7 @@ def test_falls_back_to_two_launches(error: Exception, falls_back: bool, monkeypa
     monkeypatch.setattr(triton_persistent, "cast_current_persistent", broken)
     monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: True)
     monkeypatch.setattr(kernels._one_launch, "ok", True)
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "0")
     x = _input((256, 256), None)
     row, col, scale, inv = triton_cast.cast_current(x, E4, True, True, one_launch=False)
     want = (row, col, scale.view(()), inv.view(()))  # kernels.cast_current's scales are 0-dim

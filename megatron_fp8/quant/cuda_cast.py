@@ -14,7 +14,7 @@ scales 82 -> 73 us (tensor); same bits.
 Serves both copies of a BF16 tensor whose rows and columns are multiples of 128, with segments
 (experts) aligned to 128 rows, in the three modes: ``1x128``, ``128x128`` and ``tensor`` with
 the scales given (delayed scaling, and current scaling's cast after its amax and scale
-launches: ``triton_cast.cast_current``). ``serves`` declines anything else, and ``cast``
+launches: ``triton_cast.cast_current``, ``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines anything else, and ``cast``
 returns False where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
 ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
 (``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
@@ -43,10 +43,11 @@ def enabled() -> bool:
 
 
 def current_enabled() -> bool:
-    """``MEGATRON_FP8_CUDA_CURRENT=1``: current scaling's casts of the tensors ``serves`` takes
-    run as amax and scale launches, then this kernel with the scales given, instead of the
-    one-launch Triton cast (``triton_cast.cast_current``); ``0`` (the default) or unset: not."""
-    v = os.environ.get("MEGATRON_FP8_CUDA_CURRENT", "0").strip()
+    """``MEGATRON_FP8_CUDA_CURRENT``: ``1`` (the default), current scaling's casts of the tensors
+    ``serves`` takes run as amax and scale launches, then this kernel with the scales given,
+    instead of the one-launch Triton cast (``triton_cast.cast_current``); ``0``: not. The graphed
+    grouped step ran 0.7-1.2% faster with it (docs/benchmarks.md run W, three rounds each)."""
+    v = os.environ.get("MEGATRON_FP8_CUDA_CURRENT", "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"MEGATRON_FP8_CUDA_CURRENT={v!r}; allowed: '0' or '1'")
     return v == "1" and enabled()

@@ -360,7 +360,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
 def cast_current(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool = False,
     amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
-    one_launch: bool = False,
+    one_launch: bool = False, scales_first: bool = False,
 ) -> tuple[Any, Any, torch.Tensor, torch.Tensor]:
     """Current scaling: ``(row, col, scale, 1/scale)`` for a non-empty ``x [M, K]``; with
     ``splits`` (each a positive multiple of 128; ``offsets`` their prefix sums) per segment: the
@@ -368,11 +368,10 @@ def cast_current(
     ``scale [E]`` / ``1/scale [E]``, 16 bytes apart. ``one_launch``: in one launch (the persistent
     cast of ``triton_persistent``; the caller decides, as ``kernels.cast_current`` does by
     ``one_launch_ok``); otherwise two: amax partials, then the cast, whose programs turn them into
-    the scale."""
+    the scale. ``scales_first``: amax and scale launches, then the cast with the scales given,
+    which the CUDA tile cast takes where it serves (``cuda_current_ok``)."""
     n_seg = len(splits) if splits is not None else 1
-    if (cuda_cast.current_enabled() and x.numel()
-            and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True)):
-        # amax and scale (two small launches), then the CUDA tile cast with the scales given
+    if scales_first:
         _, scale, inv = amax_and_scale(x, fp8_dtype, offsets=offsets, n_seg=n_seg, power_2_scale=power_2_scale,
                                        amax_epsilon=amax_epsilon)
         raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=True)
@@ -394,6 +393,14 @@ def _persistent() -> Any:
     from . import triton_persistent  # imports this module
 
     return triton_persistent
+
+
+def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> bool:
+    """Whether current scaling's cast of ``x`` (segments aligned to 128 rows, as
+    ``kernels.cast_current_segments`` ensures) goes as amax, scale and the CUDA tile cast
+    (``cast_current(..., scales_first=True)``; ``cuda_cast.current_enabled``)."""
+    return (cuda_cast.current_enabled() and x.numel() > 0
+            and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True))
 
 
 def one_launch_ok(x: torch.Tensor) -> bool:
