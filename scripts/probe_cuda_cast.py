@@ -2,26 +2,27 @@
 
     python scripts/probe_cuda_cast.py
 
-The package's Triton 1x128 row + column cast runs at ~2.4 TB/s where a copy runs at ~3.9: its
-column half loads the tile a second time, transposed, because transposing in Triton cost more.
-Here one block of 256 threads owns a 128x128 tile: it loads the tile once (16-byte vectors, all
+One block of 256 threads owns a 128x128 tile: it loads the tile once (16-byte vectors, all
 issued before use), casts the rowwise copy from registers, parks the BF16 tile in shared memory,
 takes each column's amax from there, writes the FP8 tile transposed into shared memory and
 stores it out 128 bytes a warp. Compiled by ``torch.cuda._compile_kernel`` for 1x128, 128x128
-and tensor (the current-scaling cast pass, given each expert's scale) at 3 or 4 blocks an SM
-(``MINB``: 80 or 64 registers; 1x128 spills 8 and 88 bytes). Two variants measured slower on
-2026-12-03 and left in git history (docs/benchmarks.md run V): persistent blocks fetching their
-next tile with ``cp.async`` into a double buffer, and the FP8 tile in a shared buffer of its own
-(phase B reading its column twice instead of holding it: 64 registers, no spills). Not yet
-measured: the kernel's KFAST (a grid with the K tiles fastest, so that neighbouring blocks read
-neighbouring pieces of the same rows), STREAM (evict-first FP8 stores) and NOCLAMP (no clamp
-before the conversion, whose .satfinite does its work: ~20% fewer instructions in a kernel that
-looks issue-bound) switches. NOCLAMP's bits must equal Triton's here before it goes anywhere.
+and tensor (given each expert's scale) in build variants: blocks an SM (``MINB`` 3 or 4: 80 or
+64 registers), ``KFAST`` (a grid with the K tiles fastest, so that neighbouring blocks read
+neighbouring pieces of the same rows), ``STREAM`` (evict-first FP8 stores) and ``NOCLAMP`` (no
+clamp before the conversion, whose ``.satfinite`` does its work). The package builds
+``(3, KFAST, STREAM, NOCLAMP)`` since 2026-12-03 (docs/benchmarks.md run W: the three switches
+together took x 16384x4096 from 88 to 78 us); the first build (3 blocks, no switches) is kept
+for comparison. Two more variants measured slower and are left in git history (run V):
+persistent blocks fetching their next tile with ``cp.async``, and the FP8 tile in a shared
+buffer of its own.
 
-Every variant must equal the package's cast (``triton_cast._launch``, as ``cast_tiles`` /
-``cast_segments`` run it) bit for bit, with zeros, a large value and an infinity planted in x.
-Times each cast replayed from a CUDA graph (no host launch cost in the figure): microseconds
-(median, L2 flushed) and bandwidth over the least bytes (2 + 1 + 1 per element).
+Every variant must equal the package's Triton cast (``triton_cast._launch`` with the CUDA path
+off, as ``cast_tiles`` / ``cast_segments`` run it) bit for bit, with zeros, a large value, NaN
+and an infinity planted in x. That reference keeps the clamp before its conversion
+(``MEGATRON_FP8_CAST_CLAMP=1``, set here), the CPU reference's arithmetic, so the no-clamp
+builds are checked against it. Times each cast replayed from a CUDA graph (no host launch cost
+in the figure): microseconds (median, L2 flushed) and bandwidth over the least bytes (2 + 1 + 1
+per element).
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ from pathlib import Path
 
 import torch
 
-from megatron_fp8.quant.kernels import segment_offsets
-from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies
-from megatron_fp8.testing import capture_step, same_bits
+os.environ["MEGATRON_FP8_CAST_CLAMP"] = "1"  # the Triton reference clamps (read when triton_cast is imported)
+from megatron_fp8.quant.kernels import segment_offsets  # noqa: E402
+from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies  # noqa: E402
+from megatron_fp8.testing import capture_step, same_bits  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
-# (blocks an SM, KFAST, STREAM, NOCLAMP): the package's build first
-VARIANTS = ((3, 0, 0, 0), (4, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1), (4, 0, 0, 1), (3, 1, 1, 1))
+# (blocks an SM, KFAST, STREAM, NOCLAMP): the package's build first, then its first build and each
+# switch alone
+VARIANTS = ((3, 1, 1, 1), (3, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1), (4, 0, 0, 1))
 
 
 @functools.cache
@@ -74,7 +77,7 @@ def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: 
 
 def package(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: torch.Tensor | None
             ) -> tuple[torch.Tensor | None, ...]:
-    """The package's Triton cast (its CUDA 1x128 path turned off)."""
+    """The package's Triton cast (its CUDA path turned off; with the clamp, set above)."""
     n_seg = offsets.numel() - 1 if offsets is not None else 1
     os.environ["MEGATRON_FP8_CUDA_CAST"] = "0"
     try:
@@ -130,7 +133,7 @@ def main() -> None:
         clone_us = _graphed_us(lambda: x.clone())  # noqa: B023
         rows.append([name, "clone (same bytes moved)", f"{clone_us:.1f}", f"{least / clone_us / 1e3:.0f}", "-"])
         us = _graphed_us(lambda: package(x, mode, offs, tscale))  # noqa: B023
-        rows.append([name, "package (Triton)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
+        rows.append([name, "package (Triton, clamp)", f"{us:.1f}", f"{least / us / 1e3:.0f}", "ref"])
         print(rows[-1], flush=True)
         for variant in VARIANTS:
             minb, kfast, stream, noclamp = variant
