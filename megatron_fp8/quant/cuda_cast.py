@@ -36,6 +36,7 @@ TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
 _BLOCKS_PER_SM = 3  # 80 registers; at 4 (64 registers, 88 bytes spilled) it ran 5-10% slower
 _MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
+_CLAMP = cast_clamp()  # read once, at import, as triton_cast reads it: both casts agree
 
 
 def enabled() -> bool:
@@ -89,7 +90,7 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tens
     False where the kernel cannot be built (nothing written). ``offsets``: the segments' device
     prefix sums (every one a multiple of 128), or None for one tensor. Only for casts ``serves``
     accepts."""
-    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2, cast_clamp(),
+    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2, _CLAMP,
                      x.device.index if x.device.index is not None else torch.cuda.current_device())
     if kernel is None:
         return False

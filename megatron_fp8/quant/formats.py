@@ -27,7 +27,8 @@ def cast_clamp() -> bool:
     become +-FP8_MAX, NaN stays NaN. Leaving the clamp out takes 3 instructions a value off
     the casts (~250 a thread), measured faster on an H200 (docs/benchmarks.md run W). Under
     the Triton interpreter the conversion is torch's on the CPU, which turns E5M2 overflow into
-    inf, so the clamp is always kept there."""
+    inf, so the clamp is always kept there. The cast modules (``triton_cast``, ``cuda_cast``) read
+    it once, when they are imported."""
     v = os.environ.get("MEGATRON_FP8_CAST_CLAMP", "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"MEGATRON_FP8_CAST_CLAMP={v!r}; allowed: '0' (leave saturation to the GPU's "
