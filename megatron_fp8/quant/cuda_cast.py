@@ -14,9 +14,9 @@ scales 82 -> 73 us (tensor); same bits.
 Serves both copies of a BF16 tensor whose rows and columns are multiples of 128, with segments
 (experts) aligned to 128 rows, in the three modes: ``1x128``, ``128x128`` and ``tensor`` with
 the scales given (delayed scaling, and current scaling's cast after its amax and scale
-launches: ``triton_cast.cast_current``, ``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines anything else, and ``cast``
-returns False where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
-``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
+launches: ``triton_cast.cast_current``, ``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines
+anything else, and ``cast`` returns False where the kernel cannot be built (no NVRTC): either
+way the Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
 (``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
 """
 

@@ -372,6 +372,7 @@ def cast_current(
     which the CUDA tile cast takes where it serves (``cuda_current_ok``)."""
     n_seg = len(splits) if splits is not None else 1
     if scales_first:
+        x = x.contiguous()
         _, scale, inv = amax_and_scale(x, fp8_dtype, offsets=offsets, n_seg=n_seg, power_2_scale=power_2_scale,
                                        amax_epsilon=amax_epsilon)
         raw = _launch(x, fp8_dtype, "tensor", rowwise, columnwise, scale, offsets, n_seg, aligned=True)
