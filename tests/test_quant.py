@@ -254,3 +254,25 @@ def test_cast_clamp_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.isinf(big.to(torch.float8_e5m2).float()).all()  # the CPU conversion alone
     m = torch.finfo(torch.float8_e5m2).max
     assert torch.equal(big.clamp(-m, m).to(torch.float8_e5m2).float(), torch.tensor([m, -m]))
+
+
+def test_cuda_cast_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_CUDA_CURRENT`` (current scaling through the CUDA tile cast: on by default,
+    off with 0 or with ``MEGATRON_FP8_CUDA_CAST=0``, anything else raises), and the CUDA cast
+    never claims a CPU tensor."""
+    from megatron_fp8.quant import cuda_cast
+
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST", raising=False)
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CURRENT", raising=False)
+    assert cuda_cast.current_enabled()
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "0")
+    assert not cuda_cast.current_enabled()
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST")
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "0")
+    assert not cuda_cast.current_enabled()
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_CUDA_CURRENT='yes'"):
+        cuda_cast.current_enabled()
+    x = torch.zeros(256, 256, dtype=torch.bfloat16)
+    assert not any(cuda_cast.serves(x, torch.float8_e4m3fn, mode, True, True, True)
+                   for mode in ("1x128", "128x128", "tensor"))
