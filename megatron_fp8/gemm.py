@@ -221,7 +221,11 @@ def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool,
     return _native_block(a, b, out_dtype, out)
 
 
-_BLOCK_OUT_DTYPES: dict[torch.dtype, torch.dtype] = {}  # requested -> what cuBLAS accepted
+# requested -> what cuBLAS accepted; BF16 is the fallback itself, so never asked for: the asking
+# call returns a new tensor that is then copied into ``out``, which in the first captured step
+# (eager steps take the Triton grouped GEMMs) was a 3.8 us copy of expert 0's output
+# (docs/benchmarks.md run W)
+_BLOCK_OUT_DTYPES: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.bfloat16}
 
 
 def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
