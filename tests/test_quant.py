@@ -258,8 +258,8 @@ def test_cast_clamp_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cuda_cast_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """``MEGATRON_FP8_CUDA_CURRENT`` (current scaling through the CUDA tile cast: on by default,
-    off with 0 or with ``MEGATRON_FP8_CUDA_CAST=0``, anything else raises), and the CUDA cast
-    never claims a CPU tensor."""
+    off with 0 or with ``MEGATRON_FP8_CUDA_CAST=0``, anything else raises; so does anything but
+    0 or 1 for ``MEGATRON_FP8_CUDA_CAST``), and the CUDA cast never claims a CPU tensor."""
     from megatron_fp8.quant import cuda_cast
 
     monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST", raising=False)
@@ -273,6 +273,10 @@ def test_cuda_cast_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "yes")
     with pytest.raises(ValueError, match="MEGATRON_FP8_CUDA_CURRENT='yes'"):
         cuda_cast.current_enabled()
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "off")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_CUDA_CAST='off'"):
+        cuda_cast.enabled()
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST")
     x = torch.zeros(256, 256, dtype=torch.bfloat16)
     assert not any(cuda_cast.serves(x, torch.float8_e4m3fn, mode, True, True, True)
                    for mode in ("1x128", "128x128", "tensor"))

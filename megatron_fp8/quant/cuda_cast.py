@@ -40,7 +40,13 @@ _CLAMP = cast_clamp()  # read once, at import, as triton_cast reads it: both cas
 
 
 def enabled() -> bool:
-    return os.environ.get("MEGATRON_FP8_CUDA_CAST", "1") != "0"
+    """``MEGATRON_FP8_CUDA_CAST``: ``1`` (the default), the casts ``serves`` takes run here; ``0``:
+    every cast runs in Triton. Anything else raises."""
+    v = os.environ.get("MEGATRON_FP8_CUDA_CAST", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"MEGATRON_FP8_CUDA_CAST={v!r}; allowed: '1' (the CUDA tile cast where it serves) "
+                         "or '0' (Triton casts only)")
+    return v == "1"
 
 
 def current_enabled() -> bool:
