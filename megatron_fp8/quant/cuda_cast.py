@@ -16,8 +16,9 @@ Serves both copies of a BF16 tensor whose rows and columns are multiples of 128,
 the scales given (delayed scaling, and current scaling's cast after its amax and scale
 launches: ``triton_cast.cast_current``, ``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines
 anything else, and ``cast`` returns False where the kernel cannot be built (no NVRTC): either
-way the Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
-(``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
+way the Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton
+cast's raw buffers (``triton_cast._launch``) with its bits: the GPU tests compare both with the
+CPU reference.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .formats import cast_clamp
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")
 _BLOCKS_PER_SM = 3  # 80 registers; at 4 (64 registers, 88 bytes spilled) it ran 5-10% slower
-_MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
+# the cast modes, numbered as both kernels number them (cuda_cast.cu's MODE, triton_cast's MODE)
+MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
 _CLAMP = cast_clamp()  # read once, at import, as triton_cast reads it: both casts agree
 
 
@@ -61,11 +63,11 @@ def current_enabled() -> bool:
 
 
 @functools.cache
-def _kernel(mode: str, e5m2: bool, clamp: bool, device: int) -> Any | None:
+def _kernel(mode: str, e5m2: bool, device: int) -> Any | None:
     """The compiled kernel for ``mode`` on ``device``, or None (with one warning) where it cannot
     be built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
-    options = [f"-DMODE={_MODES[mode]}", f"-DE5M2={int(e5m2)}", f"-DMINB={_BLOCKS_PER_SM}", "-DKFAST=1",
-               "-DSTREAM=1", f"-DNOCLAMP={int(not clamp)}"]
+    options = [f"-DMODE={MODES[mode]}", f"-DE5M2={int(e5m2)}", f"-DMINB={_BLOCKS_PER_SM}", "-DKFAST=1",
+               "-DSTREAM=1", f"-DNOCLAMP={int(not _CLAMP)}"]
     try:
         with torch.cuda.device(device):
             return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile", nvcc_options=options)
@@ -82,7 +84,7 @@ def serves(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, co
     exist before the cast (not computed inside it, as the fused Triton cast does)."""
     m, k = x.shape
     return (enabled() and x.is_cuda and x.dtype == torch.bfloat16 and rowwise and columnwise and aligned
-            and mode in _MODES and (mode != "tensor" or scale_given)
+            and mode in MODES and (mode != "tensor" or scale_given)
             and m > 0 and k > 0 and m % TILE == 0 and k % TILE == 0 and x.is_contiguous()
             and fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
@@ -96,7 +98,7 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tens
     False where the kernel cannot be built (nothing written). ``offsets``: the segments' device
     prefix sums (every one a multiple of 128), or None for one tensor. Only for casts ``serves``
     accepts."""
-    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2, _CLAMP,
+    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2,
                      x.device.index if x.device.index is not None else torch.cuda.current_device())
     if kernel is None:
         return False

@@ -64,7 +64,7 @@ from .triton_scale import _R, SCALE_STRIDE, _amax_of_partials, _amax_partials, _
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
-_MODES = {"1x128": 0, "128x128": 1, "tensor": 2}
+_MODES = cuda_cast.MODES  # the kernel's MODE constexpr, numbered as the CUDA kernel's
 
 
 @triton.jit
