@@ -64,14 +64,21 @@ def cuda_cast(x: torch.Tensor, mode: str, offsets: torch.Tensor | None, tscale: 
     if mode == "1x128":
         row_s = torch.empty((k // TILE * m,), dtype=torch.float32, device=x.device)
         col_s = torch.empty((m // TILE, k), dtype=torch.float32, device=x.device)
-    elif mode == "128x128":
+    elif mode == "128x128":  # the tile scales, and the same transposed per segment
         row_s = torch.empty((m // TILE, k // TILE), dtype=torch.float32, device=x.device)
+        col_s = torch.empty((m // TILE * (k // TILE),), dtype=torch.float32, device=x.device)
     dummy = x
     args = [x, row, row_s if row_s is not None else dummy, col, col_s if col_s is not None else dummy,
             offsets if seg else dummy, tscale if tscale is not None else dummy, m, k,
             offsets.numel() - 1 if seg else 0]
     grid = (k // TILE, m // TILE, 1) if kfast else (m // TILE, k // TILE, 1)
     _kernel(mode, minb, kfast, stream, noclamp)(grid=grid, block=(256, 1, 1), args=args)
+    if mode == "128x128":  # the Triton cast writes no transposed scales: check them here, return its four
+        e = offsets.numel() - 1 if seg else 1
+        want = row_s.view(e, m // e // TILE, k // TILE).transpose(1, 2).reshape(-1)
+        if not torch.equal(col_s, want):
+            raise AssertionError("probe: the transposed 128x128 scales differ from the tile scales")
+        col_s = None
     return row, row_s, col, col_s
 
 

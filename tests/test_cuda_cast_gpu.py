@@ -151,3 +151,32 @@ def test_current_scaling_through_cuda_equals_one_launch(splits: list[int] | None
         on_gpu = q.quantize(x, rowwise=True, columnwise=True)
         on_cpu = q.quantize(x.cpu(), rowwise=True, columnwise=True)
         assert same_bits(list(on_gpu.tensors()), list(on_cpu.tensors()))
+
+
+
+def test_current_scaling_default_takes_cuda_only_in_capture(monkeypatch) -> None:
+    """``MEGATRON_FP8_CUDA_CURRENT`` unset (``capture``): an eager current-scaling cast is the
+    one-launch Triton cast (less host time) that builds the CUDA kernel for the captures to
+    come; the same cast captured in a CUDA graph goes through that kernel, and the replay gives
+    the eager cast's bits."""
+    from megatron_fp8.quant import kernels
+    from megatron_fp8.testing import capture_step
+
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CURRENT", raising=False)
+    x = _input(1024, 512)
+    x[x.isnan() | x.isinf()] = 1.0
+    splits = [256, 512, 256]
+    calls = _spy(monkeypatch)
+
+    def run() -> list[torch.Tensor]:
+        return list(kernels.cast_current_segments(x, splits, E4, True, True, power_2_scale=False, amax_epsilon=0.0))
+
+    cuda_cast._kernel.cache_clear()
+    eager = run()
+    assert calls == []
+    assert cuda_cast._kernel.cache_info().currsize == 1, "the eager cast should have built the CUDA kernel"
+    graph, captured = capture_step(run, warmup=1)
+    assert calls == [True], "the captured cast should have gone through the CUDA kernel"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits(captured, eager)

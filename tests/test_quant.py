@@ -257,13 +257,16 @@ def test_cast_clamp_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_cast_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MEGATRON_FP8_CUDA_CURRENT`` (current scaling through the CUDA tile cast: on by default,
-    off with 0 or with ``MEGATRON_FP8_CUDA_CAST=0``, anything else raises; so does anything but
-    0 or 1 for ``MEGATRON_FP8_CUDA_CAST``), and the CUDA cast never claims a CPU tensor."""
+    """``MEGATRON_FP8_CUDA_CURRENT`` (current scaling through the CUDA tile cast: by default
+    only while a CUDA graph is captured, so not here; always with 1; never with 0 or with
+    ``MEGATRON_FP8_CUDA_CAST=0``; anything else raises; so does anything but 0 or 1 for
+    ``MEGATRON_FP8_CUDA_CAST``), and the CUDA cast never claims a CPU tensor."""
     from megatron_fp8.quant import cuda_cast
 
     monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST", raising=False)
     monkeypatch.delenv("MEGATRON_FP8_CUDA_CURRENT", raising=False)
+    assert not cuda_cast.current_enabled()  # no capture in progress
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "1")
     assert cuda_cast.current_enabled()
     monkeypatch.setenv("MEGATRON_FP8_CUDA_CAST", "0")
     assert not cuda_cast.current_enabled()

@@ -2,7 +2,8 @@
 // rowwise FP8 copy [M, K] and the columnwise copy (segment e's [K, m_e] at K * start_e), with the
 // package's scale layouts (megatron_fp8/quant/triton_cast.py, _cast_tile_kernel):
 //   MODE 0 (1x128): row scales [K/128, m_e] at start_e * K/128, column scales [M/128, K];
-//   MODE 1 (128x128): one scale per tile, [M/128, K/128];
+//   MODE 1 (128x128): one scale per tile, [M/128, K/128], and again transposed per segment
+//     ([K/128, m_e/128] at start_e/128 * K/128) for the columnwise copy;
 //   MODE 2 (tensor): the segment's scale read from tscale[e * 4], no scale written.
 // The tile goes through shared memory once: phase A loads it (16-byte vectors, all issued before
 // any use), casts the rowwise copy from registers and parks the BF16 tile in shared memory;
@@ -153,7 +154,11 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
   for (int j = 1; j < 8; ++j) tmax = fmaxf(tmax, red[j]);
   float tile_inv;
   pow2_scale(tmax, tile_s, tile_inv);
-  if (t == 0) row_s[bm * (K / T) + bk] = tile_inv;
+  if (t == 0) {
+    row_s[bm * (K / T) + bk] = tile_inv;
+    // and transposed per segment, [K/128, m_e/128] at start_e/128 * K/128 (for one tensor: row_s^T)
+    col_s[w.start / T * (K / T) + bk * (w.length / T) + (w.m0 - w.start) / T] = tile_inv;
+  }
 #elif MODE == 2
   tile_s = tscale[w.eid * 4];
 #endif

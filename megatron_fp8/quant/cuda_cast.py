@@ -14,11 +14,11 @@ scales 82 -> 73 us (tensor); same bits.
 Serves both copies of a BF16 tensor whose rows and columns are multiples of 128, with segments
 (experts) aligned to 128 rows, in the three modes: ``1x128``, ``128x128`` and ``tensor`` with
 the scales given (delayed scaling, and current scaling's cast after its amax and scale
-launches: ``triton_cast.cast_current``, ``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines
-anything else, and ``cast`` returns False where the kernel cannot be built (no NVRTC): either
-way the Triton cast runs. ``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton
-cast's raw buffers (``triton_cast._launch``) with its bits: the GPU tests compare both with the
-CPU reference.
+launches while a CUDA graph is captured: ``triton_cast.cast_current``,
+``MEGATRON_FP8_CUDA_CURRENT``). ``serves`` declines anything else, and ``cast`` returns False
+where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
+``MEGATRON_FP8_CUDA_CAST=0`` turns it off. Outputs fill the Triton cast's raw buffers
+(``triton_cast._launch``) with its bits: the GPU tests compare both with the CPU reference.
 """
 
 from __future__ import annotations
@@ -52,14 +52,34 @@ def enabled() -> bool:
 
 
 def current_enabled() -> bool:
-    """``MEGATRON_FP8_CUDA_CURRENT``: ``1`` (the default), current scaling's casts of the tensors
-    ``serves`` takes run as amax and scale launches, then this kernel with the scales given,
-    instead of the one-launch Triton cast (``triton_cast.cast_current``); ``0``: not. The graphed
-    grouped step ran 0.7-1.2% faster with it (docs/benchmarks.md run W, three rounds each)."""
-    v = os.environ.get("MEGATRON_FP8_CUDA_CURRENT", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"MEGATRON_FP8_CUDA_CURRENT={v!r}; allowed: '0' or '1'")
-    return v == "1" and enabled()
+    """``MEGATRON_FP8_CUDA_CURRENT``: whether current scaling's casts of the tensors ``serves``
+    takes run as amax and scale launches, then this kernel with the scales given, instead of the
+    one-launch Triton cast (``triton_cast.cast_current``). ``capture`` (the default): only while
+    a CUDA graph is being captured, where launches cost nothing at replay: the graphed grouped
+    step ran 0.7-1.2% faster with it (docs/benchmarks.md run W), but eagerly the three launches
+    cost ~130 us of host time per cast against ~60-85 for the one launch, and the GPU then waits
+    on the host (run X); ``1``: always; ``0``: never. Anything else raises."""
+    v = current_setting()
+    if v == "0" or not enabled():
+        return False
+    return v == "1" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def current_setting() -> str:
+    """``MEGATRON_FP8_CUDA_CURRENT``, checked: ``capture`` (unset), ``1`` or ``0``."""
+    v = os.environ.get("MEGATRON_FP8_CUDA_CURRENT", "capture").strip()
+    if v not in ("capture", "0", "1"):
+        raise ValueError(f"MEGATRON_FP8_CUDA_CURRENT={v!r}; allowed: 'capture' (the default: while a CUDA graph "
+                         "is captured), '1' (always) or '0' (never)")
+    return v
+
+
+def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device) -> None:
+    """Build the kernel for ``mode`` now (once; NVRTC and module loading), so that a CUDA graph
+    captured later only launches it: what an eager step does for the captured steps that follow
+    under ``MEGATRON_FP8_CUDA_CURRENT=capture``."""
+    _kernel(mode, fp8_dtype == torch.float8_e5m2, device.index if device.index is not None
+            else torch.cuda.current_device())
 
 
 @functools.cache
@@ -94,10 +114,13 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tens
          tensor_scale: torch.Tensor | None = None) -> bool:
     """Cast ``x [M, K]`` into the Triton cast's buffers (``triton_cast._launch``): ``row [M, K]``
     and ``col``, with ``row_s [K/128 * M]`` and ``col_s [M/128, K]`` (1x128), ``row_s [M/128,
-    K/128]`` (128x128), or the segments' given scales ``tensor_scale``, 16 bytes apart (tensor).
-    False where the kernel cannot be built (nothing written). ``offsets``: the segments' device
-    prefix sums (every one a multiple of 128), or None for one tensor. Only for casts ``serves``
-    accepts."""
+    K/128]`` and the same scales transposed per segment into ``col_s [M/128 * K/128]``
+    (segment e's ``[K/128, m_e/128]`` at ``start_e/128 * K/128``; 128x128), or the segments'
+    given scales ``tensor_scale``, 16 bytes apart (tensor). False where the kernel cannot be
+    built (nothing written). ``offsets``: the segments' device prefix sums (every one a multiple
+    of 128), or None for one tensor. Only for casts ``serves`` accepts."""
+    if mode == "128x128" and (col_s is None or row_s is None):
+        raise ValueError("cuda_cast.cast: 128x128 writes row_s and its transpose col_s; give both buffers")
     kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2,
                      x.device.index if x.device.index is not None else torch.cuda.current_device())
     if kernel is None:

@@ -255,7 +255,8 @@ def cast_tiles(
     rowwise = rowwise or mode == "128x128"  # the 2-D block scales come with the rowwise pass
     row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, None, 1)
     if mode == "128x128":
-        return (row, row_s), ((col, row_s.t().contiguous()) if columnwise else None)
+        col_s = col_s.view(cdiv(k, TILE), cdiv(m, TILE)) if col_s is not None else row_s.t().contiguous()
+        return (row, row_s), ((col, col_s) if columnwise else None)
     if mode == "1x128":
         row_s = row_s.view(cdiv(k, TILE), m).t() if row_s is not None else None  # [M, K/128], M-major
         col_s = col_s.t() if col_s is not None else None  # [K, M/128], K-major
@@ -281,7 +282,11 @@ def cast_segments(
     row, row_s, col, col_s = _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, offsets,
                                      len(splits), aligned)
     if mode == "128x128" and columnwise and len(set(splits)) == 1:  # every transposed scale block in one buffer
-        col_s = row_s.view(len(splits), splits[0] // TILE, cdiv(x.shape[1], TILE)).transpose(1, 2).contiguous()
+        e, n_mb, n_kb = len(splits), splits[0] // TILE, cdiv(x.shape[1], TILE)
+        col_s = (col_s.view(e, n_kb, n_mb) if col_s is not None  # the CUDA kernel wrote them
+                 else row_s.view(e, n_mb, n_kb).transpose(1, 2).contiguous())
+    elif mode == "128x128":
+        col_s = None
     return (row, row_s, col, col_s) if rowwise_out else (None, row_s, col, col_s)
 
 
@@ -332,10 +337,13 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
         col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
     elif mode == "128x128":
         row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
-    if (cuda_cast.serves(x, fp8_dtype, mode, rowwise, columnwise, offsets is None or aligned,
-                         scale_given=fused is None and tensor_scale is not None)
-            and cuda_cast.cast(x, fp8_dtype, mode, offsets, n_seg, row, row_s, col, col_s, tensor_scale)):
-        return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
+    if cuda_cast.serves(x, fp8_dtype, mode, rowwise, columnwise, offsets is None or aligned,
+                        scale_given=fused is None and tensor_scale is not None):
+        if mode == "128x128":  # the CUDA kernel also writes the scales transposed (cuda_cast.cast)
+            col_s = torch.empty((n_mb * n_kb,), dtype=torch.float32, device=dev)
+        if cuda_cast.cast(x, fp8_dtype, mode, offsets, n_seg, row, row_s, col, col_s, tensor_scale):
+            return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
+        col_s = None if mode == "128x128" else col_s
     fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
     dummy = x  # placeholder pointer for absent outputs
 
@@ -399,9 +407,15 @@ def _persistent() -> Any:
 def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> bool:
     """Whether current scaling's cast of ``x`` (segments aligned to 128 rows, as
     ``kernels.cast_current_segments`` ensures) goes as amax, scale and the CUDA tile cast
-    (``cast_current(..., scales_first=True)``; ``cuda_cast.current_enabled``)."""
-    return (cuda_cast.current_enabled() and x.numel() > 0
-            and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True))
+    (``cast_current(..., scales_first=True)``; ``cuda_cast.current_enabled``). Where it does not
+    only because no graph is being captured, the kernel is built now, for the captures to come."""
+    if not (x.numel() > 0 and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True)):
+        return False
+    if cuda_cast.current_enabled():
+        return True
+    if cuda_cast.current_setting() == "capture":
+        cuda_cast.prebuild("tensor", fp8_dtype, x.device)
+    return False
 
 
 def one_launch_ok(x: torch.Tensor) -> bool:
