@@ -7,7 +7,9 @@ reached copy speed (docs/benchmarks.md run W: 759 of 960 us, cuBLAS one expert a
 graph is captured). Each expert's GEMM is 256-512 output tiles of 128x128 on 132 SMs, so its
 last wave runs partly empty; GEMMs of other experts on another stream could fill it. The
 wgrad of both-1x128 operands (37.6 us an expert against 27.8 for the fprop) has the most to
-gain, if cuBLAS's kernels leave room.
+gain, if cuBLAS's kernels leave room. Measured on an H200 (docs/benchmarks.md run X): they do
+not; 2 or 3 streams ran each set within +-2% of one stream at K=4096/N=2048 and up to 7% slower
+at K=2048/N=7168, so the package keeps one stream.
 
 For each shape and recipe: the experts' operands cast once by the package (one launch each for
 x, w and dy, as ``GroupedLinear`` casts them), then their fprop, dgrad and wgrad GEMMs
