@@ -74,12 +74,13 @@ def current_setting() -> str:
     return v
 
 
-def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device) -> None:
-    """Build the kernel for ``mode`` now (once; NVRTC and module loading), so that a CUDA graph
-    captured later only launches it: what an eager step does for the captured steps that follow
-    under ``MEGATRON_FP8_CUDA_CURRENT=capture``."""
-    _kernel(mode, fp8_dtype == torch.float8_e5m2, device.index if device.index is not None
-            else torch.cuda.current_device())
+def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device) -> Any | None:
+    """The kernel for ``mode``, ``fp8_dtype`` and ``device``, built now if it is not yet (NVRTC and
+    module loading; None where it cannot be built): ``cast`` launches it, and an eager step calls
+    it for the captured steps that follow under ``MEGATRON_FP8_CUDA_CURRENT=capture``, so that a
+    capture only launches it."""
+    return _kernel(mode, fp8_dtype == torch.float8_e5m2,
+                   device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -121,8 +122,7 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tens
     of 128), or None for one tensor. Only for casts ``serves`` accepts."""
     if mode == "128x128" and (col_s is None or row_s is None):
         raise ValueError("cuda_cast.cast: 128x128 writes row_s and its transpose col_s; give both buffers")
-    kernel = _kernel(mode, fp8_dtype == torch.float8_e5m2,
-                     x.device.index if x.device.index is not None else torch.cuda.current_device())
+    kernel = prebuild(mode, fp8_dtype, x.device)
     if kernel is None:
         return False
     m, k = x.shape

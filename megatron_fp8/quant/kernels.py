@@ -341,10 +341,10 @@ _one_launch = _KernelGuard("one-launch current-scaling cast", "two launches")
 
 def _current_launches(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, columnwise: bool,
                       **kw: Any) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
-    """``triton_cast.cast_current``: amax, scale and the CUDA tile cast where that serves (the
-    default for BF16 tensors aligned to 128; the Triton tile cast if the CUDA one cannot be
-    built), else in one launch where ``triton_persistent`` runs and builds here, else in two;
-    None where neither builds."""
+    """``triton_cast.cast_current``: amax, scale and the CUDA tile cast where that serves
+    (``cuda_current_ok``: by default BF16 tensors aligned to 128 while a CUDA graph is captured;
+    the Triton tile cast if the CUDA one cannot be built), else in one launch where
+    ``triton_persistent`` runs and builds here, else in two; None where neither builds."""
     t = _triton()
     if t.cuda_current_ok(x, dtype, rowwise, columnwise):
         return t.cast_current(x, dtype, rowwise, columnwise, scales_first=True, **kw)
