@@ -1,0 +1,295 @@
+"""Probe (GPU): does cuBLASLt have a faster kernel than the one torch gets for the blocks wgrad?
+
+    cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python probe_cublaslt_algos.py [--experts 8] [--tokens 2048]
+
+Why: in the graphed blocks step (K=4096, N=2048) the wgrad, both operands 1x128 along the
+tokens, takes 37.3 us an expert against 29.5 for the dgrad (1x128 x 128x128) of the same
+shape and FLOPs (docs/benchmarks.md run X). torch's ``scaled_mm`` takes cuBLASLt's first
+heuristic answer. This script calls cuBLASLt itself (ctypes on the ``libcublasLt`` torch
+loaded), for the experts' operands as ``GroupedLinear`` casts them (``probe_gemm_streams.
+gemm_sets``): it lists the heuristic's answers, then every tile / stages / cluster / swizzle
+configuration of their algorithm ids that ``cublasLtMatmulAlgoCheck`` accepts without a
+workspace, and times each as a CUDA graph of the experts' GEMMs (a short pass for all, then
+``do_bench``'s median for the fastest). Every row says whether its outputs equal torch's bit for
+bit, and its relative difference from them. Prints one table per GEMM and shape.
+
+cuBLASLt is column-major: ``out[m, n] = a @ b.T`` (a ``[m, k]``, b ``[n, k]``, both K-major) is
+``D[n, m] = op(A) @ B`` with A = b's bytes seen as ``[k, n]`` (transposed), B = a's as ``[k, m]``,
+A's scales b's and B's a's, in the layouts ``gemm._block_scale_layout`` hands torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from probe_gemm_streams import SHAPES, Pair, gemm_sets
+
+from megatron_fp8.gemm import _block_scale_layout
+from megatron_fp8.quant.formats import ScaleLayout
+
+# cublasLt.h / library_types.h values
+COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
+FP8_TYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
+SCALE_MODES = {ScaleLayout.BLOCK_1x128: 4, ScaleLayout.BLOCK_128x128: 5}  # VEC128_32F, BLK128x128_32F
+PREF_MAX_WORKSPACE_BYTES = 1
+CAP_SPLITK, CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS = 0, 2, 6, 7, 13
+CFG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4), "custom": (5, 4),
+       "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
+CLUSTERS = range(0, 17)  # cublasLtClusterShape_t values; AlgoCheck refuses the ones an algorithm lacks
+CUSTOM_MAX = 3  # custom options tried per configuration, at most
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _library() -> ctypes.CDLL:
+    """The libcublasLt torch already loaded (found in this process's memory map)."""
+    torch.ones(16, 16, device="cuda") @ torch.ones(16, 16, device="cuda")  # loads cuBLAS(Lt)
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcublasLt" in line}
+    if not paths:
+        raise SystemExit("probe_cublaslt_algos: torch has not loaded libcublasLt")
+    return ctypes.CDLL(sorted(paths)[0])
+
+
+class Lt:
+    """The few cuBLASLt calls this probe needs; every status checked."""
+
+    def __init__(self) -> None:
+        self.lib = _library()
+        self.handle = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+
+    @staticmethod
+    def ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what}: cuBLAS status {status}")
+
+    def set_desc(self, desc: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData) -> None:
+        self.ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                f"desc attribute {attr}")
+
+    def layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        lay = ctypes.c_void_p()
+        self.ok(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, ctypes.c_uint64(rows),
+                                                    ctypes.c_uint64(cols), ctypes.c_int64(ld)), "layout")
+        return lay
+
+    def cap(self, algo: Algo, attr: int) -> list[int]:
+        written = ctypes.c_size_t()
+        self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(written))
+        n = max(written.value // 4, 1)
+        buf = (ctypes.c_uint32 * n)()
+        self.ok(self.lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(algo), attr, buf, 4 * n,
+                                                           ctypes.byref(written)), f"cap {attr}")
+        return list(buf)[: written.value // 4]
+
+    def config(self, algo: Algo) -> dict[str, int]:
+        out = {}
+        for name, (attr, size) in CFG.items():
+            buf, written = ctypes.c_uint64(0), ctypes.c_size_t()
+            self.ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf), size,
+                                                                  ctypes.byref(written)), f"config {name}")
+            out[name] = buf.value
+        return out
+
+    def set_config(self, algo: Algo, name: str, value: int) -> bool:
+        attr, size = CFG[name]
+        buf = (ctypes.c_uint32 if size == 4 else ctypes.c_uint16)(value)
+        return self.lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf), size) == 0
+
+
+@dataclass
+class Problem:
+    """One GEMM shape of the experts: a descriptor per expert (its scale pointers) and the four
+    layouts, shared."""
+
+    lt: Lt
+    pairs: Sequence[Pair]
+    descs: list[ctypes.c_void_p]
+    layouts: tuple[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]  # A, B, D (C = D)
+    keep: list[torch.Tensor]
+    types: tuple[int, int]
+
+    @classmethod
+    def build(cls, lt: Lt, pairs: Sequence[Pair]) -> Problem:
+        a0, b0, _ = pairs[0]
+        (m, k), (n, _) = a0.shape, b0.shape
+        keep, descs = [], []
+        for a, b, _ in pairs:
+            desc = ctypes.c_void_p()
+            lt.ok(lt.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F), "desc")
+            lt.set_desc(desc, DESC_TRANSA, ctypes.c_int32(OP_T))
+            lt.set_desc(desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+            lt.set_desc(desc, DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_MODES[b.layout]))
+            lt.set_desc(desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_MODES[a.layout]))
+            sa, sb = _block_scale_layout(b), _block_scale_layout(a)
+            keep += [sa, sb]
+            lt.set_desc(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(sa.data_ptr()))
+            lt.set_desc(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(sb.data_ptr()))
+            descs.append(desc)
+        types = (FP8_TYPES[b0.data.dtype], FP8_TYPES[a0.data.dtype])
+        lay = (lt.layout(types[0], k, n, k), lt.layout(types[1], k, m, k), lt.layout(R_16BF, n, m, n))
+        return cls(lt, pairs, descs, lay, keep, types)
+
+    def heuristics(self, count: int = 64) -> list[Heuristic]:
+        pref = ctypes.c_void_p()
+        self.lt.ok(self.lt.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        ws = ctypes.c_uint64(0)
+        self.lt.ok(self.lt.lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
+                                                                    8), "workspace")
+        res, got = (Heuristic * count)(), ctypes.c_int()
+        a, b, d = self.layouts
+        self.lt.ok(self.lt.lib.cublasLtMatmulAlgoGetHeuristic(self.lt.handle, self.descs[0], a, b, d, d, pref, count,
+                                                              res, ctypes.byref(got)), "heuristic")
+        return [res[i] for i in range(got.value) if res[i].state == 0]
+
+    def check(self, algo: Algo) -> Heuristic | None:
+        res = Heuristic()
+        a, b, d = self.layouts
+        st = self.lt.lib.cublasLtMatmulAlgoCheck(self.lt.handle, self.descs[0], a, b, d, d, ctypes.byref(algo),
+                                                 ctypes.byref(res))
+        return res if st == 0 and res.workspace == 0 else None
+
+    def configs(self, ids: Sequence[int], limit: int) -> list[Algo]:
+        """Every configuration of these algorithm ids that AlgoCheck accepts with no workspace
+        (split-K off), up to ``limit``."""
+        found: list[Algo] = []
+        for algo_id in ids:
+            base = Algo()
+            if self.lt.lib.cublasLtMatmulAlgoInit(self.lt.handle, COMPUTE_32F, R_32F, *self.types, R_16BF, R_16BF,
+                                                  algo_id, ctypes.byref(base)) != 0:
+                continue
+            tiles = self.lt.cap(base, CAP_TILE_IDS) or [0]
+            stages = self.lt.cap(base, CAP_STAGES_IDS) or [0]
+            swz = [0, 1] if (self.lt.cap(base, CAP_SWIZZLING) or [0])[0] else [0]
+            custom = range(min((self.lt.cap(base, CAP_CUSTOM_OPTION_MAX) or [0])[0], CUSTOM_MAX) + 1)
+            for t, s, c, w, o in itertools.product(tiles, stages, CLUSTERS, swz, custom):
+                algo = Algo()
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+                if not all(self.lt.set_config(algo, key, v) for key, v in
+                           (("tile", t), ("stages", s), ("cluster", c), ("swizzle", w), ("custom", o))):
+                    continue
+                if self.check(algo) is not None:
+                    found.append(algo)
+                    if len(found) >= limit:
+                        return found
+        return found
+
+    def runner(self, algo: Algo) -> Callable[[], None]:
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        a_lay, b_lay, d_lay = self.layouts
+
+        def run() -> None:
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+            for desc, (a, b, out) in zip(self.descs, self.pairs):
+                self.lt.ok(self.lt.lib.cublasLtMatmul(
+                    self.lt.handle, desc, ctypes.byref(one), ctypes.c_void_p(b.data.data_ptr()), a_lay,
+                    ctypes.c_void_p(a.data.data_ptr()), b_lay, ctypes.byref(zero), ctypes.c_void_p(out.data_ptr()),
+                    d_lay, ctypes.c_void_p(out.data_ptr()), d_lay, ctypes.byref(algo), None, ctypes.c_size_t(0),
+                    stream), "cublasLtMatmul")
+
+        return run
+
+
+def quick_us(graph: torch.cuda.CUDAGraph, n: int = 20) -> float:
+    """Median of ``n`` single replays, us (events; the first-pass ranking)."""
+    times = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1000)
+    return sorted(times)[n // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--gemms", nargs="*", default=["wgrad", "dgrad"])
+    p.add_argument("--limit", type=int, default=400, help="configurations timed per GEMM and shape")
+    p.add_argument("--top", type=int, default=8, help="configurations re-timed with do_bench")
+    args = p.parse_args()
+    from benchlib import environment, markdown_table, median_ms
+
+    from megatron_fp8.gemm import gemm
+    from megatron_fp8.testing import capture_step
+
+    lt = Lt()
+    tables = []
+    for k, n in SHAPES:
+        sets, _ = gemm_sets("blockwise", args.experts, args.tokens, k, n, torch.device("cuda"))
+        for what in args.gemms:
+            pairs = sets[what]
+            prob = Problem.build(lt, pairs)
+
+            def torch_run(pairs: Sequence[Pair] = pairs) -> None:
+                for a, b, o in pairs:
+                    gemm(a, b, torch.bfloat16, out=o)
+
+            graph, _ = capture_step(torch_run)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = [o.clone() for _, _, o in pairs]
+            flops = 2.0 * sum(a.shape[0] * b.shape[0] * a.shape[1] for a, b, _ in pairs)
+            rows = [["torch scaled_mm", "-", median_ms(graph.replay), "ref", 0.0]]
+            heur = prob.heuristics()
+            ids = sorted({lt.config(h.algo)["id"] for h in heur})
+            cands = [("heuristic", i, h.algo) for i, h in enumerate(heur)]
+            t0 = time.perf_counter()
+            cands += [("search", j, a) for j, a in enumerate(prob.configs(ids, args.limit))]
+            print(f"  search took {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"K={k} N={n} {what}: {len(heur)} heuristic answers, algorithm ids {ids}, "
+                  f"{len(cands) - len(heur)} configurations found", flush=True)
+            timed = []
+            for src, i, algo in cands:
+                run = prob.runner(algo)
+                for _, _, o in pairs:
+                    o.fill_(float("nan"))
+                try:
+                    g, _ = capture_step(run, warmup=1)
+                except RuntimeError as exc:
+                    print(f"  {src} {i}: {exc}", flush=True)
+                    continue
+                g.replay()
+                torch.cuda.synchronize()
+                equal = all(torch.equal(o, r) for (_, _, o), r in zip(pairs, ref))
+                diff = max(((o.float() - r.float()).norm() / r.float().norm()).item()
+                           for (_, _, o), r in zip(pairs, ref))
+                timed.append((quick_us(g), src, i, algo, g, equal, diff))
+            timed.sort(key=lambda t: t[0])
+            shown = timed[: args.top] + [t for t in timed[args.top:] if t[1] == "heuristic" and t[2] == 0]
+            for _us, src, i, algo, g, equal, diff in shown:
+                cfg = lt.config(algo)
+                rows.append([f"{src} {i}", " ".join(f"{key}={v}" for key, v in cfg.items()), median_ms(g.replay),
+                             "equal" if equal else "differ", diff])
+            for r in rows:
+                r.insert(3, flops / (r[2] * 1e-3) / 1e12)
+            title = f"K={k} N={n} {what} ({args.experts} experts x {args.tokens} tokens; {len(timed)} timed)"
+            tables.append(title + "\n\n" + markdown_table(["kernel", "config", "ms", "TFLOP/s", "bits vs torch",
+                                                           "rel. diff"], rows))
+            print(tables[-1], flush=True)
+    print(f"\n{environment()}\n")
+    print("\n\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()
