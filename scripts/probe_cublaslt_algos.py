@@ -7,11 +7,11 @@ tokens, takes 37.3 us an expert against 29.5 for the dgrad (1x128 x 128x128) of 
 shape and FLOPs (docs/benchmarks.md run X). torch's ``scaled_mm`` takes cuBLASLt's first
 heuristic answer. This script calls cuBLASLt itself (ctypes on the ``libcublasLt`` torch
 loaded), for the experts' operands as ``GroupedLinear`` casts them (``probe_gemm_streams.
-gemm_sets``): it lists the heuristic's answers, then every tile / stages / cluster / swizzle
-configuration of their algorithm ids that ``cublasLtMatmulAlgoCheck`` accepts without a
-workspace, and times each as a CUDA graph of the experts' GEMMs (a short pass for all, then
-``do_bench``'s median for the fastest). Every row says whether its outputs equal torch's bit for
-bit, and its relative difference from them. Prints one table per GEMM and shape.
+gemm_sets``): it lists the heuristic's answers, then every configuration around them (other
+tiles, cluster shapes, custom options, swizzles, stages) that ``cublasLtMatmulAlgoCheck``
+accepts without a workspace, and times each as a CUDA graph of the experts' GEMMs (a short pass
+for all, then ``do_bench``'s median for the fastest). Every row says whether its outputs equal
+torch's bit for bit, and its relative difference from them. Prints one table per GEMM and shape.
 
 cuBLASLt is column-major: ``out[m, n] = a @ b.T`` (a ``[m, k]``, b ``[n, k]``, both K-major) is
 ``D[n, m] = op(A) @ B`` with A = b's bytes seen as ``[k, n]`` (transposed), B = a's as ``[k, m]``,
@@ -45,7 +45,6 @@ CAP_SPLITK, CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS =
 CFG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4), "custom": (5, 4),
        "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
 CLUSTERS = range(0, 17)  # cublasLtClusterShape_t values; AlgoCheck refuses the ones an algorithm lacks
-CUSTOM_MAX = 3  # custom options tried per configuration, at most
 
 
 class Algo(ctypes.Structure):
@@ -166,30 +165,35 @@ class Problem:
                                                  ctypes.byref(res))
         return res if st == 0 and res.workspace == 0 else None
 
-    def configs(self, ids: Sequence[int], limit: int) -> list[Algo]:
-        """Every configuration of these algorithm ids that AlgoCheck accepts with no workspace
-        (split-K off), up to ``limit``."""
-        found: list[Algo] = []
-        for algo_id in ids:
-            base = Algo()
-            if self.lt.lib.cublasLtMatmulAlgoInit(self.lt.handle, COMPUTE_32F, R_32F, *self.types, R_16BF, R_16BF,
-                                                  algo_id, ctypes.byref(base)) != 0:
-                continue
-            tiles = self.lt.cap(base, CAP_TILE_IDS) or [0]
-            stages = self.lt.cap(base, CAP_STAGES_IDS) or [0]
-            swz = [0, 1] if (self.lt.cap(base, CAP_SWIZZLING) or [0])[0] else [0]
-            custom = range(min((self.lt.cap(base, CAP_CUSTOM_OPTION_MAX) or [0])[0], CUSTOM_MAX) + 1)
-            for t, s, c, w, o in itertools.product(tiles, stages, CLUSTERS, swz, custom):
+    def configs(self, seeds: Sequence[Algo], limit: int) -> list[Algo]:
+        """Configurations around the heuristic's answers that AlgoCheck accepts with no
+        workspace (split-K off), up to ``limit``: each answer with every tile, cluster shape,
+        custom option and swizzle its algorithm offers (its stages kept), then with every
+        stages id (its tile kept)."""
+        found: dict[tuple[int, ...], Algo] = {}
+        for seed in seeds:
+            cfg = self.lt.config(seed)
+            tiles = self.lt.cap(seed, CAP_TILE_IDS) or [cfg["tile"]]
+            stages = self.lt.cap(seed, CAP_STAGES_IDS) or [cfg["stages"]]
+            swz = [0, 1] if (self.lt.cap(seed, CAP_SWIZZLING) or [0])[0] else [cfg["swizzle"]]
+            custom = range((self.lt.cap(seed, CAP_CUSTOM_OPTION_MAX) or [0])[0] + 1)
+            if seed is seeds[0]:
+                print(f"  first answer {cfg}: tiles {tiles}, stages {stages}, swizzle {list(swz)}, "
+                      f"custom options {len(custom)}", flush=True)
+            grid = [{"tile": t, "cluster": c, "custom": o, "swizzle": w}
+                    for t, c, o, w in itertools.product(tiles, CLUSTERS, custom, swz)]
+            grid += [{"stages": st} for st in stages]
+            for change in grid:
                 algo = Algo()
-                ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
-                if not all(self.lt.set_config(algo, key, v) for key, v in
-                           (("tile", t), ("stages", s), ("cluster", c), ("swizzle", w), ("custom", o))):
+                ctypes.memmove(ctypes.byref(algo), ctypes.byref(seed), ctypes.sizeof(Algo))
+                if not all(self.lt.set_config(algo, key, v) for key, v in change.items()):
                     continue
-                if self.check(algo) is not None:
-                    found.append(algo)
+                key = tuple(self.lt.config(algo).values())
+                if key not in found and self.check(algo) is not None:
+                    found[key] = algo
                     if len(found) >= limit:
-                        return found
-        return found
+                        return list(found.values())
+        return list(found.values())
 
     def runner(self, algo: Algo) -> Callable[[], None]:
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
@@ -226,6 +230,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--gemms", nargs="*", default=["wgrad", "dgrad"])
     p.add_argument("--limit", type=int, default=400, help="configurations timed per GEMM and shape")
+    p.add_argument("--limit-other", type=int, default=120, help="the same for the dgrad and fprop")
     p.add_argument("--top", type=int, default=8, help="configurations re-timed with do_bench")
     args = p.parse_args()
     from benchlib import environment, markdown_table, median_ms
@@ -253,9 +258,10 @@ def main() -> None:
             rows = [["torch scaled_mm", "-", median_ms(graph.replay), "ref", 0.0]]
             heur = prob.heuristics()
             ids = sorted({lt.config(h.algo)["id"] for h in heur})
+            limit = args.limit if what == "wgrad" else args.limit_other
             cands = [("heuristic", i, h.algo) for i, h in enumerate(heur)]
             t0 = time.perf_counter()
-            cands += [("search", j, a) for j, a in enumerate(prob.configs(ids, args.limit))]
+            cands += [("search", j, a) for j, a in enumerate(prob.configs([h.algo for h in heur], limit))]
             print(f"  search took {time.perf_counter() - t0:.1f} s", flush=True)
             print(f"K={k} N={n} {what}: {len(heur)} heuristic answers, algorithm ids {ids}, "
                   f"{len(cands) - len(heur)} configurations found", flush=True)
@@ -286,7 +292,7 @@ def main() -> None:
             title = f"K={k} N={n} {what} ({args.experts} experts x {args.tokens} tokens; {len(timed)} timed)"
             tables.append(title + "\n\n" + markdown_table(["kernel", "config", "ms", "TFLOP/s", "bits vs torch",
                                                            "rel. diff"], rows))
-            print(tables[-1], flush=True)
+            print(f"  fastest: {rows[1][:3]}", flush=True)
     print(f"\n{environment()}\n")
     print("\n\n".join(tables))
 
