@@ -11,10 +11,8 @@ wgrad       ``dw = dy.T @ x``      dy columnwise ``[N, M]``         x columnwise
 ==========  =====================  ===============================  ==================
 
 so ``gemm(a, b) = a @ b.T`` with both operands' last dim contracted. The backend is chosen per
-call: ``native`` (cuBLASLt called directly for tensorwise and block scales, ``cublaslt``; torch's
-``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm`` for rowwise scales, or where cuBLASLt
-has no kernel or ``MEGATRON_FP8_CUBLASLT=0``) where the device runs that pair of scale layouts,
-else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
+call: ``native`` (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``) where the device runs
+that pair of scale layouts, else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
 ``force_backend`` pins one; ``record_gemms`` lists what ran. The experts' grouped GEMMs, built on
 ``gemm``, are in ``gemm_grouped``.
 """
@@ -31,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cublaslt
 from .quant.formats import ScaleLayout
 from .quant.tensor import Operand
 
@@ -206,12 +203,6 @@ def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool,
             out: torch.Tensor | None = None) -> torch.Tensor:
     if out is not None and out.data_ptr() % _OUT_ALIGN:  # e.g. rows after an odd, emulated expert
         return out.copy_(_native(a, b, out_dtype, fast_accum))
-    if cublaslt.serves(a.layout, b.layout, out_dtype, a.data.device):
-        y = out if out is not None else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
-        scales = ((a.scale_inv, b.scale_inv) if a.layout is L.TENSOR
-                  else (_block_scale_layout(a), _block_scale_layout(b)))
-        if cublaslt.matmul(a.data, scales[0], a.layout, b.data, scales[1], b.layout, y, fast_accum):
-            return y
     where = {} if out is None else {"out": out}
     if a.layout is L.TENSOR:
         return torch._scaled_mm(
