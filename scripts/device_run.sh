@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
 # Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|steps|probe|tgemm|trace]...
-# CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
+# CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
