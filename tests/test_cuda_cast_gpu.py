@@ -153,7 +153,6 @@ def test_current_scaling_through_cuda_equals_one_launch(splits: list[int] | None
         assert same_bits(list(on_gpu.tensors()), list(on_cpu.tensors()))
 
 
-
 def test_current_scaling_default_takes_cuda_only_in_capture(monkeypatch) -> None:
     """``MEGATRON_FP8_CUDA_CURRENT`` unset (``capture``): an eager current-scaling cast is the
     one-launch Triton cast (less host time) that builds the CUDA kernel for the captures to
