@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|steps|probe|tgemm|trace]...
-# CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|steps|probe|tgemm|trace]...
+# CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,6 +38,7 @@ for what in "${steps[@]}"; do
     # the experts' GEMMs of a graphed step on 1, 2 or 3 streams (filling each GEMM's last wave), bitwise
     streams) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gemm_streams.py) 2>&1 | tee "$OUT/probe_gemm_streams.log" ;;
     # cuBLASLt's kernels for the blocks wgrad / dgrad beyond torch's first heuristic answer, timed, bitwise
+    gluonwgrad) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gluon_wgrad.py ${GW_ARGS:-}) 2>&1 | tee "$OUT/probe_gluon_wgrad.log" ;;
     ltalgos) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;

@@ -1,0 +1,160 @@
+"""The experts' block-scaled wgrad (both operands 1x128 along the tokens) as one Gluon kernel for
+SM90, with each 128-token step's FP32 promotion overlapped with the next step's tensor-core work.
+
+Why: cuBLAS's kernel for this scale pair (``scaled_mm`` with two 1x128 operands) runs ~26% slower
+than its 1x128 x 128x128 dgrad of the same shape (docs/benchmarks.md runs X and Y), and Triton's
+``tl.dot`` (``triton_grouped.grouped_kgroup``) waits for every MMA before it scales its result. Here
+each step's MMA is issued asynchronously into a fresh accumulator; the previous step's result is
+scaled (``s_a[n] * s_b[k]`` for each output element) and added to the FP32 sum while the new one
+runs, so the tensor cores need not wait for the promotion.
+
+Same problem and operand layout as ``triton_grouped.grouped_kgroup`` with ``blocked=True``: per
+expert ``dw_e = a_e @ b_e.T`` over its tokens, ``a_e [N, m_e]`` and ``b_e [K, m_e]`` back to back
+in one buffer each (at ``N * start_e`` and ``K * start_e``), scales ``[M/128, N]`` and
+``[M/128, K]`` (one per 128 tokens of each row), every ``m_e`` a multiple of 128. Loads are
+``cp.async`` into 128-byte-swizzled shared memory, ``STAGES`` deep.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK = 128  # tokens per scale and per MMA step
+
+
+@gluon.jit
+def _load_step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step, STAGES: gl.constexpr):
+    """Start the copies of one 128-token step of both operands and their scales into its stage
+    (nothing past ``m_e``)."""
+    a_base, b_base, sa_base, sb_base, N, K = ops
+    a_smem, b_smem, sa_smem, sb_smem = smems
+    stage = step % STAGES
+    tt = step * 128 + cols
+    mask = tt[None, :] < m_e
+    async_copy.async_copy_global_to_shared(a_smem.index(stage), a_base + rows_a[:, None] * m_e + tt[None, :], mask)
+    async_copy.async_copy_global_to_shared(b_smem.index(stage), b_base + rows_b[:, None] * m_e + tt[None, :], mask)
+    ok = step * 128 < m_e
+    async_copy.async_copy_global_to_shared(sa_smem.index(stage), sa_base + step * N + sc_n, (sc_n >= 0) & ok)
+    async_copy.async_copy_global_to_shared(sb_smem.index(stage), sb_base + step * K + sc_k, (sc_k >= 0) & ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _sync(STAGES: gl.constexpr):
+    """Wait for the oldest step's copies, make them visible to the tensor cores' (async proxy)
+    reads, and line up the CTA: after it every warp has also finished the MMA two steps back,
+    whose stage the next copy reuses."""
+    async_copy.wait_group(STAGES - 3)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step, buf, STAGES: gl.constexpr):
+    """Issue one step's MMA into ``buf`` (overwritten, not added to) once its copies landed, after
+    starting the copies ``STAGES - 2`` steps ahead."""
+    _sync(STAGES)
+    _load_step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step + STAGES - 2, STAGES)
+    stage = step % STAGES
+    return warpgroup_mma(smems[0].index(stage), smems[1].index(stage).permute((1, 0)), buf, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr):
+    """``acc + part * s_a[n] * s_b[k]`` with one step's scales of the tile's rows (a) and columns (b)."""
+    s_a = smems[2].index(step % STAGES).load(gl.SliceLayout(1, mma))
+    s_b = smems[3].index(step % STAGES).load(gl.SliceLayout(0, mma))
+    return acc + part * (s_a[:, None] * s_b[None, :])
+
+
+@gluon.jit
+def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
+                  BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WN: gl.constexpr, UNROLL: gl.constexpr,
+                  num_warps: gl.constexpr):
+    BT: gl.constexpr = 128
+    pid = gl.program_id(0)
+    per_e = n_tn * n_tk
+    e = pid // per_e
+    pid_n = (pid % per_e) // n_tk
+    pid_k = (pid % per_e) % n_tk
+    start = gl.multiple_of(gl.load(off_ptr + e).to(gl.int32), BT)  # token offsets (int32 or int64)
+    m_e = gl.multiple_of(gl.load(off_ptr + e + 1).to(gl.int32) - start, BT)
+    n_steps = m_e // BT
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
+                                                  instr_shape=[16, BK // WN, 32])
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                        warps_per_cta=[num_warps, 1], order=[1, 0])
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    smems = (gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BN, BT], smem),
+             gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BK, BT], smem),
+             gl.allocate_shared_memory(gl.float32, [STAGES, BN], vec),
+             gl.allocate_shared_memory(gl.float32, [STAGES, BK], vec))
+
+    rows_a = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))).to(gl.int64)
+    rows_b = (pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, ld))).to(gl.int64)
+    cols = gl.arange(0, BT, layout=gl.SliceLayout(0, ld))
+    sc: gl.constexpr = gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[num_warps],
+                                        order=[0])
+    sc_n = pid_n * BN + gl.arange(0, BN, layout=sc)
+    sc_k = pid_k * BK + gl.arange(0, BK, layout=sc)
+    tb0 = start // BT
+    ops = (a_ptr + N.to(gl.int64) * start, b_ptr + K.to(gl.int64) * start, sa_ptr + tb0 * N, sb_ptr + tb0 * K, N, K)
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rk = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
+
+    acc = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
+    buf_x = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
+    buf_y = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
+    # Two accumulators take the steps in turn: while one step's MMA runs, the previous step's
+    # result is scaled into ``acc``. ptxas keeps MMAs asynchronous only while no loop back-edge
+    # separates an accumulator's MMA from a read of the other one, so the loop runs UNROLL steps
+    # per trip and waits for all of them at its end (that step's promotion is not overlapped);
+    # the last n_steps % UNROLL steps run one at a time.
+    n_main = n_steps // UNROLL * UNROLL
+    for j in gl.static_range(STAGES - 2):  # the first steps' copies in flight
+        _load_step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, j, STAGES)
+    for g in range(0, n_main, UNROLL):
+        tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g, buf_x, STAGES)
+        for u in gl.static_range(1, UNROLL):
+            if u % 2 == 1:
+                tok_y = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_y, STAGES)
+                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
+                acc = _promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
+            else:
+                tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_x, STAGES)
+                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
+                acc = _promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
+        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
+        acc = _promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
+    for i in range(n_main, n_steps):
+        tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, i, buf_x, STAGES)
+        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
+        acc = _promote(acc, buf_x, smems, i, STAGES, mma)
+    async_copy.wait_group(0)
+    dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
+    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+
+
+def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                       n: int, k: int, out_dtype: torch.dtype, *, stages: int = 5, wn: int = 1, unroll: int = 2,
+                       warps: int = 8) -> torch.Tensor:
+    """``[a_e @ b_e.T for e]`` as ``[G, N, K]`` (see the module docstring); ``N`` and ``K``
+    multiples of 128. ``wn``: warps along the output's columns; ``unroll``: steps per loop trip
+    (even)."""
+    g = offsets.numel() - 1
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"grouped_wgrad_1d1d: N={n} and K={k} must be multiples of {BLOCK}")
+    if unroll < 2 or unroll % 2:
+        raise ValueError(f"grouped_wgrad_1d1d: unroll={unroll} must be even")
+    c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    n_tn, n_tk = n // BLOCK, k // BLOCK
+    _wgrad_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BN=BLOCK, BK=BLOCK, STAGES=stages,
+                                      WN=wn, UNROLL=unroll, num_warps=warps)
+    return c
