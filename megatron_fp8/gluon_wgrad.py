@@ -50,7 +50,6 @@ def _sync(STAGES: gl.constexpr):
     whose stage the next copy reuses."""
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -88,7 +87,8 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
                                                   instr_shape=[16, BK // WN, 32])
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+    # each thread copies 64 bytes of one row (four 16-byte copies off one address)
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 64], threads_per_warp=[16, 2],
                                         warps_per_cta=[num_warps, 1], order=[1, 0])
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])

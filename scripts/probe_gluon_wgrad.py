@@ -32,7 +32,8 @@ from megatron_fp8.quant.kernels import segment_offsets
 
 def _buffers(pairs: list, splits: list[int], n: int, k: int) -> tuple[torch.Tensor, ...]:
     a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-    got = gg._triton_grouped_starts(a, b, a[0], b[0], torch.bfloat16, splits, True, ("tokens", "tokens"), (n, k))
+    got = gg._triton_grouped_starts(a, b, gg._first(a), gg._first(b), torch.bfloat16, splits, True,
+                                    ("tokens", "tokens"), (n, k))
     if got is None:
         raise SystemExit("probe_gluon_wgrad: the wgrad operands are not in one buffer each")
     (a_buf, sa), (b_buf, sb) = gg._buffers(a, got[1]), gg._buffers(b, got[2])
@@ -103,7 +104,7 @@ def unequal(k: int, n: int, config: tuple[int, int, int]) -> list[list[object]]:
     return rows
 
 
-def gemm_sets_splits(splits: list[int], k: int, n: int) -> tuple[list, None]:
+def gemm_sets_splits(splits: list[int], k: int, n: int, device: str = "cuda") -> tuple[list, None]:
     """The wgrad pairs of ``probe_gemm_streams.gemm_sets`` for unequal splits."""
     from probe_gemm_streams import _packed
 
@@ -111,11 +112,11 @@ def gemm_sets_splits(splits: list[int], k: int, n: int) -> tuple[list, None]:
 
     recipe = PRESETS["blockwise"]
     m = sum(splits)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     _, x_c = _packed(recipe, TensorRole.INPUT, x, splits)
     _, dy_c = _packed(recipe, TensorRole.GRAD_OUTPUT, dy, splits)
-    return [(dy_c[e], x_c[e], torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)) for e in range(len(splits))], None
+    return [(dy_c[e], x_c[e], torch.zeros(n, k, device=device, dtype=torch.bfloat16)) for e in range(len(splits))], None
 
 
 def main() -> None:
