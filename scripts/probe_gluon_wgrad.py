@@ -1,31 +1,34 @@
 """Probe (GPU): the experts' blocks wgrad (both operands 1x128 along the tokens) as one Gluon
-kernel (``megatron_fp8.gluon_wgrad``) against cuBLAS per expert and our Triton kernel.
+kernel (``gluon_wgrad.py``, next to this script) against cuBLAS per expert and the package's
+Triton kernel.
 
     cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python probe_gluon_wgrad.py [--experts 8] [--tokens 2048]
-        [--configs 5,1,2 5,1,4 ...]
+        [--configs 4,1,2 4,1,4 ...]
 
 Why: cuBLAS's kernel for this scale pair is the one part of the graphed blocks step above its
 peers (docs/benchmarks.md runs X and Y: 37.3 us an expert against 29.5 for the 1x128 x 128x128
 dgrad of the same shape), and it has no faster configuration. The Gluon kernel overlaps each
-128-token step's FP32 promotion with the next step's MMA.
+128-token step's FP32 promotion with the next step's MMA. Measured (docs/benchmarks.md run Z):
+it does not beat cuBLAS (667-670 TFLOP/s at best against 865), so the package keeps cuBLAS.
 
 For each shape: the operands as ``GroupedLinear`` casts them (``probe_gemm_streams.gemm_sets``),
 their buffers as ``gemm_grouped.grouped_wgrad`` hands them to the Triton kernel; each path's
 outputs against cuBLAS's (relative Frobenius error, and the largest difference in units of the
 output's largest value) and its time as a CUDA graph (``do_bench`` median, L2 flushed). A
-config is ``stages,warps_along_n,unroll``. Then unequal splits (zeros included) against cuBLAS.
+config is ``stages,warps_along_n,unroll[,scaled]`` (``scaled`` 0: the scales left out, wrong
+results, the pipeline's own time). Then unequal splits (zeros included) against cuBLAS.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import gluon_wgrad as gw
 import torch
 from benchlib import environment, markdown_table, median_ms
 from probe_gemm_streams import SHAPES, gemm_sets, on_streams
 
 from megatron_fp8 import gemm_grouped as gg
-from megatron_fp8 import gluon_wgrad as gw
 from megatron_fp8 import triton_grouped as tg
 from megatron_fp8.quant.kernels import segment_offsets
 
@@ -55,7 +58,7 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return rel, ((got - want).abs().max() / want.abs().max()).item()
 
 
-def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int, int, int]]) -> list[list[object]]:
+def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int, ...]]) -> list[list[object]]:
     sets, _ = gemm_sets("blockwise", experts, tokens, k, n, torch.device("cuda"))
     pairs = sets["wgrad"]
     splits = [tokens] * experts
@@ -69,11 +72,11 @@ def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int
     ms = _graphed(lambda: tg.grouped_kgroup(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, blocked=True))
     rows.append([f"K={k} N={n}", "Triton kgroup", round(ms, 4), round(flops / ms / 1e9),
                  *(f"{e:.2e}" for e in _errors(tri, want))])
-    for stages, wn, unroll in configs:
-        def fn(stages: int = stages, wn: int = wn, unroll: int = unroll) -> torch.Tensor:
+    for stages, wn, unroll, scaled in configs:
+        def fn(stages: int = stages, wn: int = wn, unroll: int = unroll, scaled: int = scaled) -> torch.Tensor:
             return gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
-                                         unroll=unroll)
-        name = f"Gluon stages={stages} wn={wn} unroll={unroll}"
+                                         unroll=unroll, scaled=bool(scaled))
+        name = f"Gluon stages={stages} wn={wn} unroll={unroll}" + ("" if scaled else " UNSCALED (timing only)")
         try:
             out = fn()
             torch.cuda.synchronize()
@@ -87,7 +90,7 @@ def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int
     return rows
 
 
-def unequal(k: int, n: int, config: tuple[int, int, int]) -> list[list[object]]:
+def unequal(k: int, n: int, config: tuple[int, ...]) -> list[list[object]]:
     """Unequal splits, zeros included, against cuBLAS per expert."""
     rows = []
     for splits in ([256, 0, 1920, 2176, 128, 0, 384, 1408], [0, 4096, 128, 0]):
@@ -96,7 +99,7 @@ def unequal(k: int, n: int, config: tuple[int, int, int]) -> list[list[object]]:
         a_buf, b_buf, sa, sb, off = _buffers(pairs, splits, n, k)
         on_streams(pairs, [])()
         want = torch.stack([o for _, _, o in pairs])
-        stages, wn, unroll = config
+        stages, wn, unroll, _ = config
         out = gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
                                     unroll=unroll)
         zero_ok = all(bool((out[e] == 0).all()) for e, s in enumerate(splits) if s == 0)
@@ -123,9 +126,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--configs", nargs="*", default=["5,1,2", "5,1,4", "4,1,2", "6,1,2", "5,2,2", "5,2,4"])
+    p.add_argument("--configs", nargs="*", default=["4,1,2", "4,1,4", "5,1,2", "4,2,2", "4,1,2,0"])
     args = p.parse_args()
-    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    configs = [(*(int(v) for v in c.split(",")), 1)[:4] for c in args.configs]
     rows = []
     for k, n in SHAPES:
         rows += run_shape(args.experts, args.tokens, k, n, configs)

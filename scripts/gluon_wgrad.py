@@ -1,21 +1,37 @@
-"""The experts' block-scaled wgrad (both operands 1x128 along the tokens) as one Gluon kernel for
-SM90, with each 128-token step's FP32 promotion overlapped with the next step's tensor-core work.
+"""A Gluon kernel (SM90) for the experts' block-scaled wgrad, both operands 1x128 along the
+tokens, that overlaps each 128-token step's FP32 promotion with the next step's tensor-core
+work. A probe's kernel (``probe_gluon_wgrad.py``), not the package's: it lost to cuBLAS.
 
-Why: cuBLAS's kernel for this scale pair (``scaled_mm`` with two 1x128 operands) runs ~26% slower
-than its 1x128 x 128x128 dgrad of the same shape (docs/benchmarks.md runs X and Y), and Triton's
-``tl.dot`` (``triton_grouped.grouped_kgroup``) waits for every MMA before it scales its result. Here
-each step's MMA is issued asynchronously into a fresh accumulator; the previous step's result is
-scaled (``s_a[n] * s_b[k]`` for each output element) and added to the FP32 sum while the new one
-runs, so the tensor cores need not wait for the promotion.
+Why it was tried: cuBLAS's kernel for this scale pair runs ~26% slower than its 1x128 x 128x128
+dgrad of the same shape (docs/benchmarks.md runs X and Y) and has no faster configuration, and
+Triton's ``tl.dot`` (``triton_grouped.grouped_kgroup``) waits for every MMA before it scales the
+result. Here each step's MMA is issued asynchronously into one of two accumulators while the
+previous step's result is scaled (``s_a[n] * s_b[k]`` per output element) into the FP32 sum.
 
-Same problem and operand layout as ``triton_grouped.grouped_kgroup`` with ``blocked=True``: per
-expert ``dw_e = a_e @ b_e.T`` over its tokens, ``a_e [N, m_e]`` and ``b_e [K, m_e]`` back to back
-in one buffer each (at ``N * start_e`` and ``K * start_e``), scales ``[M/128, N]`` and
-``[M/128, K]`` (one per 128 tokens of each row), every ``m_e`` a multiple of 128. Loads are
-``cp.async`` into 128-byte-swizzled shared memory, ``STAGES`` deep.
+What it reached on an H200 (docs/benchmarks.md run Z): 667-670 TFLOP/s at its best (4 stages,
+two steps per loop trip), against 632-639 for the Triton kernel and 865 for cuBLAS per expert;
+with the scales left out (``scaled=False``) 759-766, so its ``cp.async`` pipeline (every thread
+copies, CTA barriers each step, no warp specialization, TMA or multicast) stays below cuBLAS
+even without the promotion. Bits equal cuBLAS's on every shape and split tried.
+
+ptxas keeps two asynchronous MMAs in flight only while no loop back-edge separates one
+accumulator's MMA from a read of the other (otherwise it serializes them: warning C7514), so
+the loop runs ``UNROLL`` steps per trip and waits for all of them at its end; registers (three
+64-value accumulators per thread) cap ``UNROLL`` at 2 without spills.
+
+Same problem and operand layout as ``grouped_kgroup`` with ``blocked=True``: per expert
+``dw_e = a_e @ b_e.T`` over its tokens, ``a_e [N, m_e]`` and ``b_e [K, m_e]`` back to back in
+one buffer each (at ``N * start_e`` and ``K * start_e``), scales ``[M/128, N]`` and ``[M/128, K]``
+(one per 128 tokens of each row), every ``m_e`` a multiple of 128. Operands and scales go through
+``cp.async`` into shared memory (128-byte swizzle), ``STAGES`` deep.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from typing import Any
 
 import torch
 from triton.experimental import gluon
@@ -64,8 +80,11 @@ def _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step, buf, STAGES: 
 
 
 @gluon.jit
-def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr):
-    """``acc + part * s_a[n] * s_b[k]`` with one step's scales of the tile's rows (a) and columns (b)."""
+def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr, SCALED: gl.constexpr = True):
+    """``acc + part * s_a[n] * s_b[k]`` with one step's scales of the tile's rows (a) and columns (b)
+    (``SCALED=False``: ``acc + part``, a wrong result that times the pipeline without the scales)."""
+    if not SCALED:
+        return acc + part
     s_a = smems[2].index(step % STAGES).load(gl.SliceLayout(1, mma))
     s_b = smems[3].index(step % STAGES).load(gl.SliceLayout(0, mma))
     return acc + part * (s_a[:, None] * s_b[None, :])
@@ -74,7 +93,7 @@ def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr):
 @gluon.jit
 def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
                   BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WN: gl.constexpr, UNROLL: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  SCALED: gl.constexpr, num_warps: gl.constexpr):
     BT: gl.constexpr = 128
     pid = gl.program_id(0)
     per_e = n_tn * n_tk
@@ -87,8 +106,9 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
                                                   instr_shape=[16, BK // WN, 32])
-    # each thread copies 64 bytes of one row (four 16-byte copies off one address)
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 64], threads_per_warp=[16, 2],
+    # a warp copies four whole 128-byte rows per instruction (one row segment of 64 bytes per
+    # thread needs fewer address registers but ran 27% slower)
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                         warps_per_cta=[num_warps, 1], order=[1, 0])
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -126,28 +146,28 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
             if u % 2 == 1:
                 tok_y = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_y, STAGES)
                 buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
-                acc = _promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
+                acc = _promote(acc, buf_x, smems, g + u - 1, STAGES, mma, SCALED)
             else:
                 tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_x, STAGES)
                 buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
-                acc = _promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
+                acc = _promote(acc, buf_y, smems, g + u - 1, STAGES, mma, SCALED)
         buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
-        acc = _promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
+        acc = _promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma, SCALED)
     for i in range(n_main, n_steps):
         tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, i, buf_x, STAGES)
         buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
-        acc = _promote(acc, buf_x, smems, i, STAGES, mma)
+        acc = _promote(acc, buf_x, smems, i, STAGES, mma, SCALED)
     async_copy.wait_group(0)
     dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
     gl.store(dst, acc.to(c_ptr.dtype.element_ty))
 
 
 def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                       n: int, k: int, out_dtype: torch.dtype, *, stages: int = 5, wn: int = 1, unroll: int = 2,
-                       warps: int = 8) -> torch.Tensor:
+                       n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4, wn: int = 1, unroll: int = 2,
+                       warps: int = 8, scaled: bool = True) -> torch.Tensor:
     """``[a_e @ b_e.T for e]`` as ``[G, N, K]`` (see the module docstring); ``N`` and ``K``
     multiples of 128. ``wn``: warps along the output's columns; ``unroll``: steps per loop trip
-    (even)."""
+    (even); ``scaled=False`` leaves the scales out (wrong results: for timing the pipeline alone)."""
     g = offsets.numel() - 1
     if n % BLOCK or k % BLOCK:
         raise ValueError(f"grouped_wgrad_1d1d: N={n} and K={k} must be multiples of {BLOCK}")
@@ -156,5 +176,37 @@ def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = n // BLOCK, k // BLOCK
     _wgrad_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BN=BLOCK, BK=BLOCK, STAGES=stages,
-                                      WN=wn, UNROLL=unroll, num_warps=warps)
+                                      WN=wn, UNROLL=unroll, SCALED=scaled, num_warps=warps)
     return c
+
+
+def sm90_report(**const: Any) -> tuple[str, str]:
+    """Build the kernel ahead of time for ``sm_90a`` (no GPU needed; ``grouped_wgrad_1d1d``'s
+    defaults unless given): its PTX and what ``ptxas -v`` (Triton's) says about it (registers,
+    spills, and warning C7514/C7515 where it serialized the asynchronous MMAs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _wgrad_kernel
+    args = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"), ("sb_ptr", "*fp32"),
+            ("off_ptr", "*i64")] + [(name, "i32") for name in ("N", "K", "n_tn", "n_tk")]
+    const = dict(BN=BLOCK, BK=BLOCK, STAGES=4, WN=1, UNROLL=2, SCALED=True, num_warps=8) | const
+    sig = dict(args) | {name: "constexpr" for name in const}
+    # what a launch on the probe's shapes specializes on: 16-byte aligned pointers, N and K too
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, t in args
+             if t.startswith("*") or name in ("N", "K")}
+    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": const["num_warps"]})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.o")], capture_output=True,
+                             text=True, check=True)
+    return kernel.asm["ptx"], out.stdout + out.stderr
+
+
+if __name__ == "__main__":
+    print(sm90_report()[1])
