@@ -37,7 +37,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK = 128  # tokens per scale and per MMA step
 
@@ -162,6 +168,106 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
     gl.store(dst, acc.to(c_ptr.dtype.element_ty))
 
 
+@gluon.jit
+def _tma_issue(descs, smems, ready, rows, step, n_steps, STAGES: gl.constexpr):
+    """Start the TMA copies of one step (both operands' tiles and their scales) into its stage;
+    ``ready`` of the stage completes when all have landed. Nothing past the last step."""
+    stage = step % STAGES
+    ok = step < n_steps
+    bar = ready.index(stage)
+    mbarrier.expect(bar, 2 * 128 * 128 + 2 * 128 * 4, pred=ok)
+    tma.async_copy_global_to_shared(descs[0], [rows[0], step * 128], bar, smems[0].index(stage), pred=ok)
+    tma.async_copy_global_to_shared(descs[1], [rows[1], step * 128], bar, smems[1].index(stage), pred=ok)
+    tma.async_copy_global_to_shared(descs[2], [step, rows[0]], bar, smems[2].index(stage), pred=ok)
+    tma.async_copy_global_to_shared(descs[3], [step, rows[1]], bar, smems[3].index(stage), pred=ok)
+
+
+@gluon.jit
+def _tma_step(descs, smems, ready, rows, step, n_steps, buf, STAGES: gl.constexpr):
+    """Wait for one step's copies, line up the CTA (every warp has then finished the MMA two steps
+    back, whose stage the next copy reuses), start the copies ``STAGES - 2`` steps ahead and issue
+    the step's MMA into ``buf`` (overwritten)."""
+    stage = step % STAGES
+    mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+    gl.thread_barrier()
+    _tma_issue(descs, smems, ready, rows, step + STAGES - 2, n_steps, STAGES)
+    return warpgroup_mma(smems[0].index(stage), smems[1].index(stage).permute((1, 0)), buf, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _tma_promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr):
+    """``acc + part * s_a[n] * s_b[k]`` with one step's scales from shared memory."""
+    s_a = smems[2].index(step % STAGES).reshape([128]).load(gl.SliceLayout(1, mma))
+    s_b = smems[3].index(step % STAGES).reshape([128]).load(gl.SliceLayout(0, mma))
+    return acc + part * (s_a[:, None] * s_b[None, :])
+
+
+@gluon.jit
+def _wgrad_tma_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk, STAGES: gl.constexpr,
+                      UNROLL: gl.constexpr, num_warps: gl.constexpr):
+    """``_wgrad_kernel`` with TMA copies (one thread issues them; an mbarrier per stage says they
+    landed) in place of every thread's ``cp.async``: fewer registers and instructions per step."""
+    BT: gl.constexpr = 128
+    pid = gl.program_id(0)
+    per_e = n_tn * n_tk
+    e = pid // per_e
+    pid_n = (pid % per_e) // n_tk
+    pid_k = (pid % per_e) % n_tk
+    start = gl.multiple_of(gl.load(off_ptr + e).to(gl.int32), BT)
+    m_e = gl.multiple_of(gl.load(off_ptr + e + 1).to(gl.int32) - start, BT)
+    n_steps = m_e // BT
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 128, 32])
+    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+    acc = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    if n_steps > 0:
+        op: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        sc: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        tb0 = start // BT
+        descs = (tma.make_tensor_descriptor(a_ptr + N.to(gl.int64) * start, [N, m_e], [m_e, 1], [128, BT], op),
+                 tma.make_tensor_descriptor(b_ptr + K.to(gl.int64) * start, [K, m_e], [m_e, 1], [128, BT], op),
+                 tma.make_tensor_descriptor(sa_ptr + tb0 * N, [n_steps, N], [N, 1], [1, 128], sc),
+                 tma.make_tensor_descriptor(sb_ptr + tb0 * K, [n_steps, K], [K, 1], [1, 128], sc))
+        smems = (gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, 128, BT], op),
+                 gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, 128, BT], op),
+                 gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc),
+                 gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        fence_async_shared()
+        gl.thread_barrier()
+        rows = (pid_n * 128, pid_k * 128)
+        for j in gl.static_range(STAGES - 2):
+            _tma_issue(descs, smems, ready, rows, j, n_steps, STAGES)
+        buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+        buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+        n_main = n_steps // UNROLL * UNROLL
+        for g in range(0, n_main, UNROLL):
+            tok_x = _tma_step(descs, smems, ready, rows, g, n_steps, buf_x, STAGES)
+            for u in gl.static_range(1, UNROLL):
+                if u % 2 == 1:
+                    tok_y = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_y, STAGES)
+                    buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
+                    acc = _tma_promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
+                else:
+                    tok_x = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_x, STAGES)
+                    buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
+                    acc = _tma_promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
+            buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
+            acc = _tma_promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
+        for i in range(n_main, n_steps):
+            tok_x = _tma_step(descs, smems, ready, rows, i, n_steps, buf_x, STAGES)
+            buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
+            acc = _tma_promote(acc, buf_x, smems, i, STAGES, mma)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+    dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
+    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+
+
 def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
                        n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4, wn: int = 1, unroll: int = 2,
                        warps: int = 8, scaled: bool = True) -> torch.Tensor:
@@ -177,6 +283,25 @@ def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
     n_tn, n_tk = n // BLOCK, k // BLOCK
     _wgrad_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BN=BLOCK, BK=BLOCK, STAGES=stages,
                                       WN=wn, UNROLL=unroll, SCALED=scaled, num_warps=warps)
+    return c
+
+
+def grouped_wgrad_tma(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                      n: int, k: int, out_dtype: torch.dtype, *, stages: int = 5, unroll: int = 4) -> torch.Tensor:
+    """``grouped_wgrad_1d1d`` through ``_wgrad_tma_kernel``. Each program builds its expert's TMA
+    descriptors in global scratch memory (512 bytes a program), which Triton asks torch for."""
+    import triton
+
+    g = offsets.numel() - 1
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"grouped_wgrad_tma: N={n} and K={k} must be multiples of {BLOCK}")
+    if unroll < 2 or unroll % 2:
+        raise ValueError(f"grouped_wgrad_tma: unroll={unroll} must be even")
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=a.device))
+    c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    n_tn, n_tk = n // BLOCK, k // BLOCK
+    _wgrad_tma_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, STAGES=stages, UNROLL=unroll,
+                                          num_warps=8)
     return c
 
 

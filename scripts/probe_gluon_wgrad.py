@@ -15,13 +15,15 @@ For each shape: the operands as ``GroupedLinear`` casts them (``probe_gemm_strea
 their buffers as ``gemm_grouped.grouped_wgrad`` hands them to the Triton kernel; each path's
 outputs against cuBLAS's (relative Frobenius error, and the largest difference in units of the
 output's largest value) and its time as a CUDA graph (``do_bench`` median, L2 flushed). A
-config is ``stages,warps_along_n,unroll[,scaled]`` (``scaled`` 0: the scales left out, wrong
-results, the pipeline's own time). Then unequal splits (zeros included) against cuBLAS.
+config is ``stages,warps_along_n,unroll[,scaled]`` for the ``cp.async`` kernel (``scaled`` 0: the
+scales left out, wrong results, the pipeline's own time), ``0,stages,unroll`` for the TMA one.
+Then unequal splits (zeros included) against cuBLAS.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import gluon_wgrad as gw
 import torch
@@ -72,11 +74,8 @@ def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int
     ms = _graphed(lambda: tg.grouped_kgroup(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, blocked=True))
     rows.append([f"K={k} N={n}", "Triton kgroup", round(ms, 4), round(flops / ms / 1e9),
                  *(f"{e:.2e}" for e in _errors(tri, want))])
-    for stages, wn, unroll, scaled in configs:
-        def fn(stages: int = stages, wn: int = wn, unroll: int = unroll, scaled: int = scaled) -> torch.Tensor:
-            return gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
-                                         unroll=unroll, scaled=bool(scaled))
-        name = f"Gluon stages={stages} wn={wn} unroll={unroll}" + ("" if scaled else " UNSCALED (timing only)")
+    for config in configs:
+        fn, name = _runner(config, a_buf, b_buf, sa, sb, off, n, k)
         try:
             out = fn()
             torch.cuda.synchronize()
@@ -90,6 +89,26 @@ def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int
     return rows
 
 
+def _runner(config: tuple[int, ...], a_buf: torch.Tensor, b_buf: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+            off: torch.Tensor, n: int, k: int) -> tuple[Callable[[], torch.Tensor], str]:
+    """The kernel call a config names: ``(stages, wn, unroll, scaled)`` for the cp.async kernel,
+    ``(0, stages, unroll)`` for the TMA one."""
+    if config[0] == 0:
+        stages, unroll = config[1], config[2]
+        return (lambda: gw.grouped_wgrad_tma(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages,
+                                             unroll=unroll)), _name(config)
+    stages, wn, unroll, scaled = config
+    return (lambda: gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
+                                          unroll=unroll, scaled=bool(scaled))), _name(config)
+
+
+def _name(config: tuple[int, ...]) -> str:
+    if config[0] == 0:
+        return f"Gluon TMA stages={config[1]} unroll={config[2]}"
+    stages, wn, unroll, scaled = config
+    return f"Gluon stages={stages} wn={wn} unroll={unroll}" + ("" if scaled else " UNSCALED (timing only)")
+
+
 def unequal(k: int, n: int, config: tuple[int, ...]) -> list[list[object]]:
     """Unequal splits, zeros included, against cuBLAS per expert."""
     rows = []
@@ -99,9 +118,7 @@ def unequal(k: int, n: int, config: tuple[int, ...]) -> list[list[object]]:
         a_buf, b_buf, sa, sb, off = _buffers(pairs, splits, n, k)
         on_streams(pairs, [])()
         want = torch.stack([o for _, _, o in pairs])
-        stages, wn, unroll, _ = config
-        out = gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
-                                    unroll=unroll)
+        out = _runner(config, a_buf, b_buf, sa, sb, off, n, k)[0]()
         zero_ok = all(bool((out[e] == 0).all()) for e, s in enumerate(splits) if s == 0)
         rows.append([str(splits), f"K={k} N={n}", *(f"{e:.2e}" for e in _errors(out, want)), zero_ok])
     return rows
@@ -126,7 +143,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--configs", nargs="*", default=["4,1,2", "4,1,4", "5,1,2", "4,2,2", "4,1,2,0"])
+    p.add_argument("--configs", nargs="*", default=["4,1,2", "4,1,2,0", "0,4,2", "0,4,4", "0,5,4", "0,6,4", "0,5,2"])
     args = p.parse_args()
     configs = [(*(int(v) for v in c.split(",")), 1)[:4] for c in args.configs]
     rows = []
@@ -135,8 +152,10 @@ def main() -> None:
     print(environment())
     print(markdown_table(["shape", "path", "ms per 8 GEMMs", "TFLOP/s", "rel. error vs cuBLAS",
                           "max diff / max"], rows))
-    print(markdown_table(["splits", "shape", "rel. error vs cuBLAS", "max diff / max", "zero experts zero"],
-                         unequal(4096, 2048, configs[0])))
+    for config in configs[:1] + [c for c in configs if c[0] == 0][:1]:
+        print(_name(config))
+        print(markdown_table(["splits", "shape", "rel. error vs cuBLAS", "max diff / max", "zero experts zero"],
+                             unequal(4096, 2048, config)))
 
 
 if __name__ == "__main__":
