@@ -204,6 +204,42 @@ def _tma_promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr
 
 
 @gluon.jit
+def _tma_mainloop(descs, smems, rows, n_steps, STAGES: gl.constexpr, UNROLL: gl.constexpr, mma: gl.constexpr):
+    """The FP32 sum of a 128x128 output tile over ``n_steps`` (> 0) steps: ``STAGES`` buffers of
+    TMA copies, two accumulators in turn (see ``_wgrad_kernel``)."""
+    acc = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    for j in gl.static_range(STAGES - 2):
+        _tma_issue(descs, smems, ready, rows, j, n_steps, STAGES)
+    buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    n_main = n_steps // UNROLL * UNROLL
+    for g in range(0, n_main, UNROLL):
+        tok_x = _tma_step(descs, smems, ready, rows, g, n_steps, buf_x, STAGES)
+        for u in gl.static_range(1, UNROLL):
+            if u % 2 == 1:
+                tok_y = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_y, STAGES)
+                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
+                acc = _tma_promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
+            else:
+                tok_x = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_x, STAGES)
+                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
+                acc = _tma_promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
+        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
+        acc = _tma_promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
+    for i in range(n_main, n_steps):
+        tok_x = _tma_step(descs, smems, ready, rows, i, n_steps, buf_x, STAGES)
+        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
+        acc = _tma_promote(acc, buf_x, smems, i, STAGES, mma)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    return acc
+
+@gluon.jit
 def _wgrad_tma_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk, STAGES: gl.constexpr,
                       UNROLL: gl.constexpr, num_warps: gl.constexpr):
     """``_wgrad_kernel`` with TMA copies (one thread issues them; an mbarrier per stage says they
@@ -234,37 +270,30 @@ def _wgrad_tma_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, 
                  gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, 128, BT], op),
                  gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc),
                  gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc))
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-        fence_async_shared()
-        gl.thread_barrier()
-        rows = (pid_n * 128, pid_k * 128)
-        for j in gl.static_range(STAGES - 2):
-            _tma_issue(descs, smems, ready, rows, j, n_steps, STAGES)
-        buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-        buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-        n_main = n_steps // UNROLL * UNROLL
-        for g in range(0, n_main, UNROLL):
-            tok_x = _tma_step(descs, smems, ready, rows, g, n_steps, buf_x, STAGES)
-            for u in gl.static_range(1, UNROLL):
-                if u % 2 == 1:
-                    tok_y = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_y, STAGES)
-                    buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
-                    acc = _tma_promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
-                else:
-                    tok_x = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_x, STAGES)
-                    buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
-                    acc = _tma_promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
-            buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
-            acc = _tma_promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
-        for i in range(n_main, n_steps):
-            tok_x = _tma_step(descs, smems, ready, rows, i, n_steps, buf_x, STAGES)
-            buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
-            acc = _tma_promote(acc, buf_x, smems, i, STAGES, mma)
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
+        acc = _tma_mainloop(descs, smems, (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL, mma)
     dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
+    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _wgrad_tma_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps, n_tk, STAGES: gl.constexpr,
+                             UNROLL: gl.constexpr, num_warps: gl.constexpr):
+    """One expert's ``_wgrad_tma_kernel``, its TMA descriptors built on the host (no descriptor
+    set-up in each program): ``a [N, m]``, ``b [K, m]``, scales ``[m/128, N]``, ``[m/128, K]``."""
+    pid = gl.program_id(0)
+    pid_n = pid // n_tk
+    pid_k = pid % n_tk
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 128, 32])
+    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+    descs = (a_desc, b_desc, sa_desc, sb_desc)
+    smems = (gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout),
+             gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout),
+             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sa_desc.layout),
+             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sb_desc.layout))
+    acc = _tma_mainloop(descs, smems, (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL, mma)
+    dst = c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :]
     gl.store(dst, acc.to(c_ptr.dtype.element_ty))
 
 
@@ -302,6 +331,35 @@ def grouped_wgrad_tma(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: to
     n_tn, n_tk = n // BLOCK, k // BLOCK
     _wgrad_tma_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, STAGES=stages, UNROLL=unroll,
                                           num_warps=8)
+    return c
+
+
+def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                              splits: list[int], n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4,
+                              unroll: int = 2) -> torch.Tensor:
+    """``grouped_wgrad_tma`` as one launch per expert (the host knows the splits), each with TMA
+    descriptors built on the host; zero for an expert without tokens."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if n % BLOCK or k % BLOCK or unroll < 2 or unroll % 2:
+        raise ValueError(f"grouped_wgrad_tma_experts: N={n}, K={k} (multiples of {BLOCK}), unroll={unroll} (even)")
+    op = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    c = torch.empty((len(splits), n, k), dtype=out_dtype, device=a.device)
+    start = 0
+    for e, m in enumerate(splits):
+        if not m:
+            c[e].zero_()
+            continue
+        a_e = a[n * start:n * (start + m)].view(n, m)
+        b_e = b[k * start:k * (start + m)].view(k, m)
+        sa_e, sb_e = sa[start // BLOCK:(start + m) // BLOCK], sb[start // BLOCK:(start + m) // BLOCK]
+        descs = [TensorDescriptor.from_tensor(t, block, layout)
+                 for t, block, layout in ((a_e, [BLOCK, BLOCK], op), (b_e, [BLOCK, BLOCK], op),
+                                          (sa_e, [1, BLOCK], sc), (sb_e, [1, BLOCK], sc))]
+        _wgrad_tma_expert_kernel[(n // BLOCK * (k // BLOCK),)](*descs, c[e], k, m // BLOCK, k // BLOCK,
+                                                                STAGES=stages, UNROLL=unroll, num_warps=8)
+        start += m
     return c
 
 
