@@ -297,6 +297,95 @@ def _wgrad_tma_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps
     gl.store(dst, acc.to(c_ptr.dtype.element_ty))
 
 
+@gluon.jit
+def _ws_loads(descs, smems, ready, empty, rows, n_steps, STAGES: gl.constexpr):
+    """Warp-specialized copier (one warp): each step's four TMA copies as soon as its stage is
+    free (``empty``), ``ready`` completing when they land."""
+    for i in range(n_steps):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        bar = ready.index(stage)
+        mbarrier.expect(bar, 2 * 128 * 128 + 2 * 128 * 4)
+        tma.async_copy_global_to_shared(descs[0], [rows[0], i * 128], bar, smems[0].index(stage))
+        tma.async_copy_global_to_shared(descs[1], [rows[1], i * 128], bar, smems[1].index(stage))
+        tma.async_copy_global_to_shared(descs[2], [i, rows[0]], bar, smems[2].index(stage))
+        tma.async_copy_global_to_shared(descs[3], [i, rows[1]], bar, smems[3].index(stage))
+
+
+@gluon.jit
+def _ws_issue(smems, ready, step, buf, STAGES: gl.constexpr):
+    stage = step % STAGES
+    mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+    return warpgroup_mma(smems[0].index(stage), smems[1].index(stage).permute((1, 0)), buf, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _ws_retire(acc, part, smems, empty, step, STAGES: gl.constexpr, mma: gl.constexpr):
+    """Scale a finished step into ``acc``, then hand its stage back to the copier (after every
+    consumer warp is done with it)."""
+    acc = _tma_promote(acc, part, smems, step, STAGES, mma)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(step % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _ws_mma(smems, ready, empty, n_steps, STAGES: gl.constexpr, UNROLL: gl.constexpr, mma: gl.constexpr):
+    """Warp-specialized consumer (the default partition): the two-accumulator loop of
+    ``_tma_mainloop`` with mbarrier hand-offs in place of CTA barriers."""
+    acc = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
+    n_main = n_steps // UNROLL * UNROLL
+    for g in range(0, n_main, UNROLL):
+        tok_x = _ws_issue(smems, ready, g, buf_x, STAGES)
+        for u in gl.static_range(1, UNROLL):
+            if u % 2 == 1:
+                tok_y = _ws_issue(smems, ready, g + u, buf_y, STAGES)
+                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
+                acc = _ws_retire(acc, buf_x, smems, empty, g + u - 1, STAGES, mma)
+            else:
+                tok_x = _ws_issue(smems, ready, g + u, buf_x, STAGES)
+                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
+                acc = _ws_retire(acc, buf_y, smems, empty, g + u - 1, STAGES, mma)
+        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
+        acc = _ws_retire(acc, buf_y, smems, empty, g + UNROLL - 1, STAGES, mma)
+    for i in range(n_main, n_steps):
+        tok_x = _ws_issue(smems, ready, i, buf_x, STAGES)
+        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
+        acc = _ws_retire(acc, buf_x, smems, empty, i, STAGES, mma)
+    return (acc, )  # a partition's results go back as a tuple
+
+
+@gluon.jit
+def _wgrad_ws_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps, n_tk, STAGES: gl.constexpr,
+                            UNROLL: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``_wgrad_tma_expert_kernel`` warp-specialized: one warp copies, the kernel's warps (two
+    warpgroups) run the MMAs and promotions; they hand stages over through mbarriers."""
+    pid = gl.program_id(0)
+    pid_n = pid // n_tk
+    pid_k = pid % n_tk
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 128, 32])
+    descs = (a_desc, b_desc, sa_desc, sb_desc)
+    smems = (gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout),
+             gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout),
+             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sa_desc.layout),
+             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sb_desc.layout))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    rows = (pid_n * 128, pid_k * 128)
+    acc = gl.warp_specialize([(_ws_mma, (smems, ready, empty, n_steps, STAGES, UNROLL, mma)),
+                              (_ws_loads, (descs, smems, ready, empty, rows, n_steps, STAGES))], [1], [LOAD_REGS])[0]
+    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
+    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+    gl.store(c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :], acc.to(c_ptr.dtype.element_ty))
+
+
 def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
                        n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4, wn: int = 1, unroll: int = 2,
                        warps: int = 8, scaled: bool = True) -> torch.Tensor:
@@ -336,9 +425,10 @@ def grouped_wgrad_tma(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: to
 
 def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                               splits: list[int], n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4,
-                              unroll: int = 2) -> torch.Tensor:
+                              unroll: int = 2, ws: bool = False, load_regs: int = 40) -> torch.Tensor:
     """``grouped_wgrad_tma`` as one launch per expert (the host knows the splits), each with TMA
-    descriptors built on the host; zero for an expert without tokens."""
+    descriptors built on the host; zero for an expert without tokens. ``ws``: the
+    warp-specialized kernel (one copier warp with ``load_regs`` registers)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if n % BLOCK or k % BLOCK or unroll < 2 or unroll % 2:
@@ -357,8 +447,13 @@ def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor
         descs = [TensorDescriptor.from_tensor(t, block, layout)
                  for t, block, layout in ((a_e, [BLOCK, BLOCK], op), (b_e, [BLOCK, BLOCK], op),
                                           (sa_e, [1, BLOCK], sc), (sb_e, [1, BLOCK], sc))]
-        _wgrad_tma_expert_kernel[(n // BLOCK * (k // BLOCK),)](*descs, c[e], k, m // BLOCK, k // BLOCK,
-                                                                STAGES=stages, UNROLL=unroll, num_warps=8)
+        grid = (n // BLOCK * (k // BLOCK),)
+        if ws:
+            _wgrad_ws_expert_kernel[grid](*descs, c[e], k, m // BLOCK, k // BLOCK, STAGES=stages, UNROLL=unroll,
+                                          LOAD_REGS=load_regs, num_warps=8)
+        else:
+            _wgrad_tma_expert_kernel[grid](*descs, c[e], k, m // BLOCK, k // BLOCK, STAGES=stages, UNROLL=unroll,
+                                           num_warps=8)
         start += m
     return c
 
