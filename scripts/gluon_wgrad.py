@@ -1,29 +1,41 @@
-"""A Gluon kernel (SM90) for the experts' block-scaled wgrad, both operands 1x128 along the
-tokens, that overlaps each 128-token step's FP32 promotion with the next step's tensor-core
-work. A probe's kernel (``probe_gluon_wgrad.py``), not the package's: it lost to cuBLAS.
+"""Gluon kernels (SM90) for the experts' block-scaled wgrad, both operands 1x128 along the tokens,
+that overlap each 128-token step's FP32 promotion with the next step's tensor-core work. A
+probe's kernels (``probe_gluon_wgrad.py``), not the package's: none beat cuBLAS.
 
-Why it was tried: cuBLAS's kernel for this scale pair runs ~26% slower than its 1x128 x 128x128
-dgrad of the same shape (docs/benchmarks.md runs X and Y) and has no faster configuration, and
-Triton's ``tl.dot`` (``triton_grouped.grouped_kgroup``) waits for every MMA before it scales the
-result. Here each step's MMA is issued asynchronously into one of two accumulators while the
-previous step's result is scaled (``s_a[n] * s_b[k]`` per output element) into the FP32 sum.
+Why they were tried: cuBLAS's kernel for this scale pair runs ~26% slower than its 1x128 x
+128x128 dgrad of the same shape (docs/benchmarks.md runs X and Y) and has no faster
+configuration, and Triton's ``tl.dot`` (``triton_grouped.grouped_kgroup``) waits for every MMA
+before it scales the result. Here each step's MMA is issued asynchronously into one of two
+accumulators while the previous step's result is scaled (``s_a[n] * s_b[k]`` per output element)
+into the FP32 sum.
 
-What it reached on an H200 (docs/benchmarks.md run Z): 667-670 TFLOP/s at its best (4 stages,
-two steps per loop trip), against 632-639 for the Triton kernel and 865 for cuBLAS per expert;
-with the scales left out (``scaled=False``) 759-766, so its ``cp.async`` pipeline (every thread
-copies, CTA barriers each step, no warp specialization, TMA or multicast) stays below cuBLAS
-even without the promotion. Bits equal cuBLAS's on every shape and split tried.
+Three ways of feeding the MMAs (docs/benchmarks.md run Z has the numbers; 8 experts x 2048
+tokens, TFLOP/s, against ~860 for cuBLAS per expert and ~640 for the Triton kernel):
+
+==============================  ===================================================  ==========
+kernel                          copies                                               TFLOP/s
+==============================  ===================================================  ==========
+``_wgrad_kernel``               ``cp.async`` by every thread, CTA barriers per step  666-673
+``_wgrad_tma_kernel``           TMA, descriptors built in each program               499-507
+``_wgrad_tma_expert_kernel``    TMA, host descriptors, one launch per expert         568-589
+``_wgrad_ws_expert_kernel``     the same, warp-specialized (copier warp, mbarriers)  637-663
+==============================  ===================================================  ==========
+
+All give cuBLAS's bits. With 64 steps per tile (8192 tokens an expert) the warp-specialized one
+reached 796-830 against cuBLAS's 917-940: the mainloop itself stays ~12% behind, and 16-step
+tiles lose another ~17% to each program's fill and store (a persistent kernel would recover part
+of that, not the rest).
 
 ptxas keeps two asynchronous MMAs in flight only while no loop back-edge separates one
-accumulator's MMA from a read of the other (otherwise it serializes them: warning C7514), so
-the loop runs ``UNROLL`` steps per trip and waits for all of them at its end; registers (three
-64-value accumulators per thread) cap ``UNROLL`` at 2 without spills.
+accumulator's MMA from a read of the other (otherwise it serializes them: warning C7514), so the
+loops run ``UNROLL`` steps per trip and wait for all of them at the end; registers (three
+64-value accumulators per thread) cap ``UNROLL`` at 2 for the ``cp.async`` kernel, 4 for the
+others.
 
-Same problem and operand layout as ``grouped_kgroup`` with ``blocked=True``: per expert
+Problem and operand layout as ``grouped_kgroup`` with ``blocked=True``: per expert
 ``dw_e = a_e @ b_e.T`` over its tokens, ``a_e [N, m_e]`` and ``b_e [K, m_e]`` back to back in
 one buffer each (at ``N * start_e`` and ``K * start_e``), scales ``[M/128, N]`` and ``[M/128, K]``
-(one per 128 tokens of each row), every ``m_e`` a multiple of 128. Operands and scales go through
-``cp.async`` into shared memory (128-byte swizzle), ``STAGES`` deep.
+(one per 128 tokens of each row), every ``m_e`` a multiple of 128.
 """
 
 from __future__ import annotations
@@ -425,7 +437,7 @@ def grouped_wgrad_tma(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: to
 
 def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                               splits: list[int], n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4,
-                              unroll: int = 2, ws: bool = False, load_regs: int = 40) -> torch.Tensor:
+                              unroll: int = 4, ws: bool = False, load_regs: int = 40) -> torch.Tensor:
     """``grouped_wgrad_tma`` as one launch per expert (the host knows the splits), each with TMA
     descriptors built on the host; zero for an expert without tokens. ``ws``: the
     warp-specialized kernel (one copier warp with ``load_regs`` registers)."""
@@ -458,22 +470,42 @@ def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor
     return c
 
 
-def sm90_report(**const: Any) -> tuple[str, str]:
-    """Build the kernel ahead of time for ``sm_90a`` (no GPU needed; ``grouped_wgrad_1d1d``'s
-    defaults unless given): its PTX and what ``ptxas -v`` (Triton's) says about it (registers,
-    spills, and warning C7514/C7515 where it serialized the asynchronous MMAs)."""
+def _sm90_signature(warp_specialized: bool) -> tuple[Any, list[tuple[str, str]], dict[str, Any], list[str]]:
+    """Kernel, argument types, constexprs (the wrappers' defaults) and the arguments a launch on
+    the probe's shapes marks 16-byte aligned, for an ahead-of-time build."""
+    if not warp_specialized:
+        args = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
+                ("sb_ptr", "*fp32"), ("off_ptr", "*i64")] + [(name, "i32") for name in ("N", "K", "n_tn", "n_tk")]
+        const = dict(BN=BLOCK, BK=BLOCK, STAGES=4, WN=1, UNROLL=2, SCALED=True, num_warps=8)
+        return _wgrad_kernel, args, const, [n for n, t in args if t.startswith("*")] + ["N", "K"]
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    op = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    host = [(torch.empty(256, 256, dtype=torch.float8_e5m2), [BLOCK, BLOCK], op),
+            (torch.empty(256, 256, dtype=torch.float8_e4m3fn), [BLOCK, BLOCK], op),
+            (torch.empty(2, 256), [1, BLOCK], sc), (torch.empty(2, 256), [1, BLOCK], sc)]
+    args = [(name, mangle_type(TensorDescriptor.from_tensor(*h)))
+            for name, h in zip(("a_desc", "b_desc", "sa_desc", "sb_desc"), host)]
+    args += [("c_ptr", "*bf16"), ("K", "i32"), ("n_steps", "i32"), ("n_tk", "i32")]
+    const = dict(STAGES=4, UNROLL=4, LOAD_REGS=40, num_warps=8)
+    return _wgrad_ws_expert_kernel, args, const, ["c_ptr", "K"]
+
+
+def sm90_report(warp_specialized: bool = False, **const: Any) -> tuple[str, str]:
+    """Build the ``cp.async`` kernel (or the warp-specialized TMA one) ahead of time for
+    ``sm_90a`` (no GPU needed; the wrappers' defaults unless given): its PTX and what
+    ``ptxas -v`` (Triton's) says about it (registers, spills, and warning C7514/C7515 where it
+    serialized the asynchronous MMAs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = _wgrad_kernel
-    args = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"), ("sb_ptr", "*fp32"),
-            ("off_ptr", "*i64")] + [(name, "i32") for name in ("N", "K", "n_tn", "n_tk")]
-    const = dict(BN=BLOCK, BK=BLOCK, STAGES=4, WN=1, UNROLL=2, SCALED=True, num_warps=8) | const
+    fn, args, defaults, aligned = _sm90_signature(warp_specialized)
+    const = defaults | const
     sig = dict(args) | {name: "constexpr" for name in const}
-    # what a launch on the probe's shapes specializes on: 16-byte aligned pointers, N and K too
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, t in args
-             if t.startswith("*") or name in ("N", "K")}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": const["num_warps"]})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -488,3 +520,4 @@ def sm90_report(**const: Any) -> tuple[str, str]:
 
 if __name__ == "__main__":
     print(sm90_report()[1])
+    print(sm90_report(warp_specialized=True)[1])

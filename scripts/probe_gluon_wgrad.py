@@ -1,15 +1,15 @@
-"""Probe (GPU): the experts' blocks wgrad (both operands 1x128 along the tokens) as one Gluon
-kernel (``gluon_wgrad.py``, next to this script) against cuBLAS per expert and the package's
-Triton kernel.
+"""Probe (GPU): the experts' blocks wgrad (both operands 1x128 along the tokens) through our
+Gluon kernels (``gluon_wgrad.py``, next to this script) against cuBLAS per expert and the
+package's Triton kernel.
 
     cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python probe_gluon_wgrad.py [--experts 8] [--tokens 2048]
         [--configs 4,1,2 4,1,4 ...]
 
 Why: cuBLAS's kernel for this scale pair is the one part of the graphed blocks step above its
 peers (docs/benchmarks.md runs X and Y: 37.3 us an expert against 29.5 for the 1x128 x 128x128
-dgrad of the same shape), and it has no faster configuration. The Gluon kernel overlaps each
+dgrad of the same shape), and it has no faster configuration. The Gluon kernels overlap each
 128-token step's FP32 promotion with the next step's MMA. Measured (docs/benchmarks.md run Z):
-it does not beat cuBLAS (667-670 TFLOP/s at best against 865), so the package keeps cuBLAS.
+none beats cuBLAS (at best ~670 TFLOP/s against ~860), so the package keeps cuBLAS.
 
 For each shape: the operands as ``GroupedLinear`` casts them (``probe_gemm_streams.gemm_sets``),
 their buffers as ``gemm_grouped.grouped_wgrad`` hands them to the Triton kernel; each path's

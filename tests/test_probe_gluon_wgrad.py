@@ -1,9 +1,10 @@
 """``scripts/probe_gluon_wgrad.py`` and its Gluon kernel (``scripts/gluon_wgrad.py``) without a GPU:
 the buffers the probe hands the kernel hold each expert's wgrad operands and scales where the
 kernel reads them (needs the one-launch casts: CUDA, or Triton's interpreter on CPU), and the
-kernel builds for SM90 in the probe's default configuration with neither spills nor ptxas's
-warning that it serialized the asynchronous MMAs (what the kernel's overlap depends on). CI runs
-this file under ``TRITON_INTERPRET=1`` with Triton on its path."""
+``cp.async`` kernel and the warp-specialized TMA one build for SM90 in their wrappers' default
+configurations with neither spills nor ptxas's warning that it serialized the asynchronous MMAs
+(what their overlap depends on). CI runs this file under ``TRITON_INTERPRET=1`` with Triton on
+its path."""
 
 from __future__ import annotations
 
@@ -47,13 +48,15 @@ def test_buffers_hold_each_experts_operands(splits: list[int]) -> None:
         start += m_e
 
 
-def test_kernel_builds_for_sm90_without_spills_or_serialized_mmas() -> None:
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_kernel_builds_for_sm90_without_spills_or_serialized_mmas(warp_specialized: bool) -> None:
     # in a process of its own: Triton's interpreter (the test above) patches the language's
     # operators in its process, which a real compile then trips over
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)  # this process's Triton
-    code = ("import gluon_wgrad; ptx, report = gluon_wgrad.sm90_report(); "
-            "print(report); print('async waits:', ptx.count('wgmma.wait_group.sync.aligned 1;'))")
+    code = (f"import gluon_wgrad; ptx, report = gluon_wgrad.sm90_report({warp_specialized}); "
+            "print(report); print('async waits:', ptx.count('wgmma.wait_group.sync.aligned 1;')); "
+            "print('register hand-over:', 'setmaxnreg' in ptx)")
     out = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True)
     text = out.stdout + out.stderr
     if out.returncode and "ptxas" in text and "No such file" in text:
@@ -62,3 +65,5 @@ def test_kernel_builds_for_sm90_without_spills_or_serialized_mmas() -> None:
     assert "0 bytes spill stores" in text, text
     assert "serialized" not in text and "C751" not in text, text
     assert "async waits: 0" not in text, text  # two MMAs in flight somewhere
+    # the warp-specialized kernel moves registers from its copier warp to the MMA warps
+    assert ("register hand-over: True" in text) == warp_specialized, text
