@@ -22,8 +22,8 @@ kernel                          copies                                          
 ==============================  ===================================================  ==========
 
 All give cuBLAS's bits. With 64 steps per tile (8192 tokens an expert) the warp-specialized one
-reached 796-830 against cuBLAS's 917-940: the mainloop itself stays ~12% behind, and 16-step
-tiles lose another ~17% to each program's fill and store (a persistent kernel would recover part
+reached 796-830 against cuBLAS's 917-940: the mainloop itself stays 10-15% behind, and 16-step
+tiles lose another 10-19% to each program's fill and store (a persistent kernel would recover part
 of that, not the rest).
 
 ptxas keeps two asynchronous MMAs in flight only while no loop back-edge separates one
