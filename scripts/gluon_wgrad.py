@@ -109,17 +109,23 @@ def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr, SC
 
 
 @gluon.jit
+def _tile(off_ptr, n_tn, n_tk):
+    """This program's expert, output tile (row and column block) and the expert's first token and
+    token count (``off_ptr``: the experts' token offsets, int32 or int64, multiples of 128)."""
+    pid = gl.program_id(0)
+    per_e = n_tn * n_tk
+    e = pid // per_e
+    start = gl.multiple_of(gl.load(off_ptr + e).to(gl.int32), 128)
+    m_e = gl.multiple_of(gl.load(off_ptr + e + 1).to(gl.int32) - start, 128)
+    return e, (pid % per_e) // n_tk, (pid % per_e) % n_tk, start, m_e
+
+
+@gluon.jit
 def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
                   BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WN: gl.constexpr, UNROLL: gl.constexpr,
                   SCALED: gl.constexpr, num_warps: gl.constexpr):
     BT: gl.constexpr = 128
-    pid = gl.program_id(0)
-    per_e = n_tn * n_tk
-    e = pid // per_e
-    pid_n = (pid % per_e) // n_tk
-    pid_k = (pid % per_e) % n_tk
-    start = gl.multiple_of(gl.load(off_ptr + e).to(gl.int32), BT)  # token offsets (int32 or int64)
-    m_e = gl.multiple_of(gl.load(off_ptr + e + 1).to(gl.int32) - start, BT)
+    e, pid_n, pid_k, start, m_e = _tile(off_ptr, n_tn, n_tk)
     n_steps = m_e // BT
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // WN, WN],
@@ -251,19 +257,14 @@ def _tma_mainloop(descs, smems, rows, n_steps, STAGES: gl.constexpr, UNROLL: gl.
         mbarrier.invalidate(ready.index(s))
     return acc
 
+
 @gluon.jit
 def _wgrad_tma_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk, STAGES: gl.constexpr,
                       UNROLL: gl.constexpr, num_warps: gl.constexpr):
     """``_wgrad_kernel`` with TMA copies (one thread issues them; an mbarrier per stage says they
     landed) in place of every thread's ``cp.async``: fewer registers and instructions per step."""
     BT: gl.constexpr = 128
-    pid = gl.program_id(0)
-    per_e = n_tn * n_tk
-    e = pid // per_e
-    pid_n = (pid % per_e) // n_tk
-    pid_k = (pid % per_e) % n_tk
-    start = gl.multiple_of(gl.load(off_ptr + e).to(gl.int32), BT)
-    m_e = gl.multiple_of(gl.load(off_ptr + e + 1).to(gl.int32) - start, BT)
+    e, pid_n, pid_k, start, m_e = _tile(off_ptr, n_tn, n_tk)
     n_steps = m_e // BT
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, 128, 32])
