@@ -34,6 +34,12 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
     return statistics.median(times)
 
 
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative Frobenius error of ``got`` against ``want`` (in FP32)."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
 def train_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: Any = None,
                splits: Sequence[int] | None = None, autocast: Callable[..., Any] | None = None
                ) -> Callable[[], None]:

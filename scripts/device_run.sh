@@ -37,8 +37,9 @@ for what in "${steps[@]}"; do
     cudacast) (cd scripts && python3 probe_cuda_cast.py) 2>&1 | tee "$OUT/probe_cuda_cast.log" ;;
     # the experts' GEMMs of a graphed step on 1, 2 or 3 streams (filling each GEMM's last wave), bitwise
     streams) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gemm_streams.py) 2>&1 | tee "$OUT/probe_gemm_streams.log" ;;
-    # cuBLASLt's kernels for the blocks wgrad / dgrad beyond torch's first heuristic answer, timed, bitwise
+    # our Gluon kernels for the blocks wgrad against cuBLAS per expert, timed; exits non-zero on a wrong result
     gluonwgrad) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gluon_wgrad.py ${GW_ARGS:-}) 2>&1 | tee "$OUT/probe_gluon_wgrad.log" ;;
+    # cuBLASLt's kernels for the blocks wgrad / dgrad beyond torch's first heuristic answer, timed, bitwise
     ltalgos) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;

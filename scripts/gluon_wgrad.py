@@ -9,22 +9,23 @@ before it scales the result. Here each step's MMA is issued asynchronously into 
 accumulators while the previous step's result is scaled (``s_a[n] * s_b[k]`` per output element)
 into the FP32 sum.
 
-Three ways of feeding the MMAs (docs/benchmarks.md run Z has the numbers; 8 experts x 2048
-tokens, TFLOP/s, against ~860 for cuBLAS per expert and ~640 for the Triton kernel):
+Four kernels, which differ in how the operands reach shared memory (docs/benchmarks.md run Z;
+TFLOP/s at 8 experts x 2048 tokens, both shapes, the best configuration of each, against
+846-867 for cuBLAS per expert and 632-647 for the Triton kernel):
 
 ==============================  ===================================================  ==========
 kernel                          copies                                               TFLOP/s
 ==============================  ===================================================  ==========
-``_wgrad_kernel``               ``cp.async`` by every thread, CTA barriers per step  666-673
+``_wgrad_kernel``               ``cp.async`` by every thread, CTA barriers per step  643-673
 ``_wgrad_tma_kernel``           TMA, descriptors built in each program               499-507
-``_wgrad_tma_expert_kernel``    TMA, host descriptors, one launch per expert         568-589
-``_wgrad_ws_expert_kernel``     the same, warp-specialized (copier warp, mbarriers)  637-663
+``_wgrad_tma_expert_kernel``    TMA, host descriptors, one launch per expert         568-587
+``_wgrad_ws_expert_kernel``     the same, warp-specialized (copier warp, mbarriers)  644-663
 ==============================  ===================================================  ==========
 
-All give cuBLAS's bits. With 64 steps per tile (8192 tokens an expert) the warp-specialized one
-reached 796-830 against cuBLAS's 917-940: the mainloop itself stays 10-15% behind, and 16-step
-tiles lose another 10-19% to each program's fill and store (a persistent kernel would recover part
-of that, not the rest).
+All give cuBLAS's bits. With 8192 tokens an expert (64 steps a tile) the warp-specialized one
+reached 775-830 against cuBLAS's 917-940, so even long tiles leave it 10-18% behind, and at 16
+steps each program's fill and store cost more (a persistent kernel would recover part of that,
+not the rest).
 
 ptxas keeps two asynchronous MMAs in flight only while no loop back-edge separates one
 accumulator's MMA from a read of the other (otherwise it serializes them: warning C7514), so the
@@ -40,9 +41,6 @@ one buffer each (at ``N * start_e`` and ``K * start_e``), scales ``[M/128, N]`` 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import tempfile
 from typing import Any
 
 import torch
@@ -79,9 +77,11 @@ def _load_step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step, STAGES: 
 
 @gluon.jit
 def _sync(STAGES: gl.constexpr):
-    """Wait for the oldest step's copies, make them visible to the tensor cores' (async proxy)
-    reads, and line up the CTA: after it every warp has also finished the MMA two steps back,
-    whose stage the next copy reuses."""
+    """Wait for this thread's copies of the oldest step and make them visible to the tensor cores'
+    (async proxy) reads. The CTA-wide barriers the step also needs (every thread's copies landed;
+    every warp done with the MMA two steps back, whose stage the next copy reuses) are Triton's:
+    it puts one after the copy wait and one before the MMA (an explicit one cost 4%, run Z). The
+    test of the SM90 build checks that they are there."""
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
 
@@ -193,7 +193,9 @@ def _tma_issue(descs, smems, ready, rows, step, n_steps, STAGES: gl.constexpr):
     stage = step % STAGES
     ok = step < n_steps
     bar = ready.index(stage)
-    mbarrier.expect(bar, 2 * 128 * 128 + 2 * 128 * 4, pred=ok)
+    nbytes: gl.constexpr = (descs[0].block_type.nbytes + descs[1].block_type.nbytes  # both tiles
+                               + descs[2].block_type.nbytes + descs[3].block_type.nbytes)  # their scales
+    mbarrier.expect(bar, nbytes, pred=ok)
     tma.async_copy_global_to_shared(descs[0], [rows[0], step * 128], bar, smems[0].index(stage), pred=ok)
     tma.async_copy_global_to_shared(descs[1], [rows[1], step * 128], bar, smems[1].index(stage), pred=ok)
     tma.async_copy_global_to_shared(descs[2], [step, rows[0]], bar, smems[2].index(stage), pred=ok)
@@ -318,7 +320,9 @@ def _ws_loads(descs, smems, ready, empty, rows, n_steps, STAGES: gl.constexpr):
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         bar = ready.index(stage)
-        mbarrier.expect(bar, 2 * 128 * 128 + 2 * 128 * 4)
+        nbytes: gl.constexpr = (descs[0].block_type.nbytes + descs[1].block_type.nbytes  # both tiles
+                               + descs[2].block_type.nbytes + descs[3].block_type.nbytes)  # their scales
+        mbarrier.expect(bar, nbytes)
         tma.async_copy_global_to_shared(descs[0], [rows[0], i * 128], bar, smems[0].index(stage))
         tma.async_copy_global_to_shared(descs[1], [rows[1], i * 128], bar, smems[1].index(stage))
         tma.async_copy_global_to_shared(descs[2], [i, rows[0]], bar, smems[2].index(stage))
@@ -399,17 +403,41 @@ def _wgrad_ws_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps,
     gl.store(c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :], acc.to(c_ptr.dtype.element_ty))
 
 
-def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                       n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4, wn: int = 1, unroll: int = 2,
-                       warps: int = 8, scaled: bool = True) -> torch.Tensor:
-    """``[a_e @ b_e.T for e]`` as ``[G, N, K]`` (see the module docstring); ``N`` and ``K``
-    multiples of 128. ``wn``: warps along the output's columns; ``unroll``: steps per loop trip
-    (even); ``scaled=False`` leaves the scales out (wrong results: for timing the pipeline alone)."""
-    g = offsets.numel() - 1
+def _check(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, splits: list[int], n: int,
+           k: int, stages: int, unroll: int) -> None:
+    """The operands and settings the kernels assume, or a ValueError naming what is off."""
+    m = sum(splits)
+    problems = []
     if n % BLOCK or k % BLOCK:
-        raise ValueError(f"grouped_wgrad_1d1d: N={n} and K={k} must be multiples of {BLOCK}")
+        problems.append(f"N={n} and K={k} must be multiples of {BLOCK}")
+    if any(s % BLOCK or s < 0 for s in splits):
+        problems.append(f"every split must be a non-negative multiple of {BLOCK} (got {splits})")
+    if stages < 3:
+        problems.append(f"stages={stages} must be at least 3 (the copies run stages - 2 steps ahead)")
     if unroll < 2 or unroll % 2:
-        raise ValueError(f"grouped_wgrad_1d1d: unroll={unroll} must be even")
+        problems.append(f"unroll={unroll} must be even and at least 2")
+    for name, t, numel in (("a", a, n * m), ("b", b, k * m)):
+        if t.numel() != numel or not t.is_contiguous() or t.element_size() != 1:
+            problems.append(f"{name} must be {numel} contiguous FP8 values (got {t.numel()} {t.dtype})")
+    for name, t, width in (("sa", sa, n), ("sb", sb, k)):
+        if tuple(t.shape) != (m // BLOCK, width) or t.dtype != torch.float32 or not t.is_contiguous():
+            problems.append(f"{name} must be contiguous FP32 [{m // BLOCK}, {width}] (got {tuple(t.shape)} {t.dtype})")
+    if problems:
+        raise ValueError("gluon_wgrad: " + "; ".join(problems))
+
+
+def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
+                       splits: list[int], n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4, wn: int = 1,
+                       unroll: int = 2, warps: int = 8, scaled: bool = True) -> torch.Tensor:
+    """``[a_e @ b_e.T for e]`` as ``[G, N, K]`` (see the module docstring); ``offsets``: the
+    experts' token offsets on the device, ``splits`` their counts on the host (checked, never read
+    back from the device, so that a CUDA graph can capture the call). ``wn``: warps along the
+    output's columns; ``unroll``: steps per loop trip (even); ``scaled=False`` leaves the scales
+    out (wrong results: for timing the pipeline alone)."""
+    g = len(splits)
+    _check(a, b, sa, sb, splits, n, k, stages, unroll)
+    if wn not in (1, 2) or warps % (4 * wn):
+        raise ValueError(f"grouped_wgrad_1d1d: wn={wn} must be 1 or 2, warps={warps} a multiple of 4 * wn")
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = n // BLOCK, k // BLOCK
     _wgrad_kernel[(g * n_tn * n_tk,)](a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BN=BLOCK, BK=BLOCK, STAGES=stages,
@@ -418,16 +446,14 @@ def grouped_wgrad_1d1d(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: t
 
 
 def grouped_wgrad_tma(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
-                      n: int, k: int, out_dtype: torch.dtype, *, stages: int = 5, unroll: int = 4) -> torch.Tensor:
+                      splits: list[int], n: int, k: int, out_dtype: torch.dtype, *, stages: int = 4,
+                      unroll: int = 2) -> torch.Tensor:
     """``grouped_wgrad_1d1d`` through ``_wgrad_tma_kernel``. Each program builds its expert's TMA
     descriptors in global scratch memory (512 bytes a program), which Triton asks torch for."""
     import triton
 
-    g = offsets.numel() - 1
-    if n % BLOCK or k % BLOCK:
-        raise ValueError(f"grouped_wgrad_tma: N={n} and K={k} must be multiples of {BLOCK}")
-    if unroll < 2 or unroll % 2:
-        raise ValueError(f"grouped_wgrad_tma: unroll={unroll} must be even")
+    g = len(splits)
+    _check(a, b, sa, sb, splits, n, k, stages, unroll)
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=a.device))
     c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
     n_tn, n_tk = n // BLOCK, k // BLOCK
@@ -444,8 +470,7 @@ def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor
     warp-specialized kernel (one copier warp with ``load_regs`` registers)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    if n % BLOCK or k % BLOCK or unroll < 2 or unroll % 2:
-        raise ValueError(f"grouped_wgrad_tma_experts: N={n}, K={k} (multiples of {BLOCK}), unroll={unroll} (even)")
+    _check(a, b, sa, sb, splits, n, k, stages, unroll)
     op = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     c = torch.empty((len(splits), n, k), dtype=out_dtype, device=a.device)
@@ -473,7 +498,8 @@ def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor
 
 def _sm90_signature(warp_specialized: bool) -> tuple[Any, list[tuple[str, str]], dict[str, Any], list[str]]:
     """Kernel, argument types, constexprs (the wrappers' defaults) and the arguments a launch on
-    the probe's shapes marks 16-byte aligned, for an ahead-of-time build."""
+    the probe's shapes marks 16-byte aligned, for an ahead-of-time build (the launch also marks
+    its other integers divisible by 16, which this leaves out)."""
     if not warp_specialized:
         args = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
                 ("sb_ptr", "*fp32"), ("off_ptr", "*i64")] + [(name, "i32") for name in ("N", "K", "n_tn", "n_tk")]
@@ -499,24 +525,28 @@ def sm90_report(warp_specialized: bool = False, **const: Any) -> tuple[str, str]
     ``sm_90a`` (no GPU needed; the wrappers' defaults unless given): its PTX and what
     ``ptxas -v`` (Triton's) says about it (registers, spills, and warning C7514/C7515 where it
     serialized the asynchronous MMAs)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+    from kernel_resources import ptxas_report
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn, args, defaults, aligned = _sm90_signature(warp_specialized)
     const = defaults | const
     sig = dict(args) | {name: "constexpr" for name in const}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": const["num_warps"]})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.o")], capture_output=True,
-                             text=True, check=True)
-    return kernel.asm["ptx"], out.stdout + out.stderr
+    kernel, text = ptxas_report(GluonASTSource(fn, sig, const, attrs), const["num_warps"])
+    return kernel.asm["ptx"], text
+
+
+def barrier_before_each_mma(ptx: str) -> bool:
+    """Whether a CTA barrier comes between every group of ``cp.async`` copies and the next MMA in
+    ``ptx`` (what ``_sync`` relies on Triton for)."""
+    last = None
+    for line in ptx.splitlines():
+        op = line.strip()
+        if op.startswith(("cp.async", "bar.sync", "barrier.sync")):
+            last = "copy" if op.startswith("cp.async") else "barrier"
+        elif op.startswith("wgmma.fence") and last == "copy":
+            return False
+    return True
 
 
 if __name__ == "__main__":

@@ -82,10 +82,24 @@ def _ptxas() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def ptxas_report(src: Any, warps: int, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Compile ``src`` (an ``ASTSource`` or Gluon's ``GluonASTSource``) ahead of time for
+    ``sm_90a`` and run Triton's ``ptxas -v`` on its PTX: the compiled kernel (``asm``,
+    ``metadata``) and what ptxas said."""
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps} | (options or {}))
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
+                             capture_output=True, text=True, check=True)
+    return kernel, out.stdout + out.stderr
+
+
 def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps: int, stages: int) -> list[str]:
     """[registers, spill stores (bytes), stack frame (bytes), shared (bytes)] from ``ptxas -v``."""
     sig = dict(args) | {k: "constexpr" for k in const}
-    options: dict[str, Any] = {"num_warps": warps} | ({"num_stages": stages} if stages else {})
+    options: dict[str, Any] = {"num_stages": stages} if stages else {}
     if fn is tp._current_persistent_kernel:  # built as it launches: capped so two programs fit an SM
         options |= tp._register_cap(warps)
     # close to what a JIT launch on the benchmarks' shapes specializes on: 16-byte aligned
@@ -94,14 +108,7 @@ def resources(fn: Any, args: list[tuple[str, str]], const: dict[str, Any], warps
     # constants, which this leaves out
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in args
              if t.startswith("*") or n in ("M", "K", "N")}
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "k.o")],
-                             capture_output=True, text=True, check=True)
-    text = out.stdout + out.stderr
+    kernel, text = ptxas_report(ASTSource(fn, sig, const, attrs), warps, options)
     regs = text.split("Used ")[1].split(" registers")[0] if "Used " in text else "?"
     spills = text.split(" bytes spill stores")[0].rsplit(" ", 1)[-1] if "spill stores" in text else "0"
     stack = text.split(" bytes stack frame")[0].rsplit(" ", 1)[-1] if "stack frame" in text else "0"

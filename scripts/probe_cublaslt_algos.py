@@ -272,7 +272,7 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="host vs device time per GEMM instead of the search")
     p.add_argument("--top", type=int, default=8, help="configurations re-timed with do_bench")
     args = p.parse_args()
-    from benchlib import environment, markdown_table, median_ms
+    from benchlib import environment, markdown_table, median_ms, rel_error
 
     from megatron_fp8.testing import capture_step, same_bits
 
@@ -315,8 +315,7 @@ def main() -> None:
                 g.replay()
                 torch.cuda.synchronize()
                 equal = same_bits([o for _, _, o in pairs], ref)
-                diff = max(((o.float() - r.float()).norm() / r.float().norm()).item()
-                           for (_, _, o), r in zip(pairs, ref))
+                diff = max(rel_error(o, r) for (_, _, o), r in zip(pairs, ref))
                 timed.append((quick_us(g), src, i, algo, g, equal, diff))
             timed.sort(key=lambda t: t[0])
             shown = timed[: args.top] + [t for t in timed[args.top:] if t[1] == "heuristic" and t[2] == 0]

@@ -31,6 +31,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
+from benchlib import rel_error
 
 from megatron_fp8.gemm import gemm
 from megatron_fp8.quant import make_quantizer
@@ -50,15 +51,17 @@ def _packed(recipe: object, role: TensorRole, t: torch.Tensor, splits: list[int]
     return Operands(seg.rows), Operands(seg.cols)
 
 
-def gemm_sets(recipe_name: str, experts: int, tokens: int, k: int, n: int, device: torch.device
-              ) -> tuple[dict[str, list[Pair]], dict[str, list[torch.Tensor]]]:
+def gemm_sets(recipe_name: str, experts: int, tokens: int, k: int, n: int, device: torch.device,
+              splits: Sequence[int] | None = None) -> tuple[dict[str, list[Pair]], dict[str, list[torch.Tensor]]]:
     """The three GEMM sets of a grouped step, per expert: fprop ``x_e @ w_e.T``, dgrad
     ``dy_e @ w_e`` and wgrad ``dy_e.T @ x_e``, operands as ``GroupedLinear`` casts them; and
-    the BF16 inputs per expert (``x``, ``w``, ``dy``)."""
+    the BF16 inputs per expert (``x``, ``w``, ``dy``). ``splits``: the experts' token counts
+    (default ``tokens`` each; ``experts`` is then their number)."""
     recipe = PRESETS[recipe_name]
-    splits = [tokens] * experts
-    x = torch.randn(experts * tokens, k, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(experts * tokens, n, device=device, dtype=torch.bfloat16)
+    splits = list(splits) if splits is not None else [tokens] * experts
+    experts, m = len(splits), sum(splits)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
     w = torch.randn(experts * n, k, device=device, dtype=torch.bfloat16) * 0.02  # experts stacked
     x_r, x_c = _packed(recipe, TensorRole.INPUT, x, splits)
     w_r, w_c = _packed(recipe, TensorRole.WEIGHT, w, [n] * experts)
@@ -68,11 +71,11 @@ def gemm_sets(recipe_name: str, experts: int, tokens: int, k: int, n: int, devic
         return torch.empty(rows, cols, device=device, dtype=torch.bfloat16)
 
     sets = {
-        "fprop": [(x_r[e], w_r[e], out(tokens, n)) for e in range(experts)],
-        "dgrad": [(dy_r[e], w_c[e], out(tokens, k)) for e in range(experts)],
+        "fprop": [(x_r[e], w_r[e], out(splits[e], n)) for e in range(experts)],
+        "dgrad": [(dy_r[e], w_c[e], out(splits[e], k)) for e in range(experts)],
         "wgrad": [(dy_c[e], x_c[e], out(n, k)) for e in range(experts)],
     }
-    return sets, {"x": list(x.split(tokens)), "w": list(w.split(n)), "dy": list(dy.split(tokens))}
+    return sets, {"x": list(x.split(splits)), "w": list(w.split(n)), "dy": list(dy.split(splits))}
 
 
 def on_streams(pairs: Sequence[Pair], side: Sequence[torch.cuda.Stream]) -> Callable[[], None]:
@@ -116,7 +119,7 @@ def check(device: torch.device) -> None:
         for what, pairs in sets.items():
             on_streams(pairs, [])()
             for (_, _, o), ref in zip(pairs, want[what]):
-                err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+                err = rel_error(o, ref)
                 assert o.shape == ref.shape and err < tol, (name, what, tuple(o.shape), err)
             print(f"{name} {what}: {len(pairs)} GEMMs, outputs {tuple(pairs[0][2].shape)}, "
                   f"relative error {err:.3f}", flush=True)

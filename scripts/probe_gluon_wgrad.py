@@ -29,12 +29,13 @@ from collections.abc import Callable
 
 import gluon_wgrad as gw
 import torch
-from benchlib import environment, markdown_table, median_ms
+from benchlib import environment, markdown_table, median_ms, rel_error
 from probe_gemm_streams import SHAPES, gemm_sets, on_streams
 
 from megatron_fp8 import gemm_grouped as gg
 from megatron_fp8 import triton_grouped as tg
 from megatron_fp8.quant.kernels import segment_offsets
+from megatron_fp8.testing import same_bits
 
 
 def _buffers(pairs: list, splits: list[int], n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -47,7 +48,7 @@ def _buffers(pairs: list, splits: list[int], n: int, k: int) -> tuple[torch.Tens
     return a_buf, b_buf, sa, sb, segment_offsets(splits, a_buf.device)
 
 
-def _graphed(fn) -> float:
+def _graphed(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -56,58 +57,73 @@ def _graphed(fn) -> float:
     return median_ms(g.replay)
 
 
-def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    got, want = got.float(), want.float()
-    rel = ((got - want).norm() / want.norm()).item()
-    return rel, ((got - want).abs().max() / want.abs().max()).item()
+def _check_out(failures: list[str], what: str, out: torch.Tensor, want: torch.Tensor, scaled: bool = True
+               ) -> list[object]:
+    """Relative error against cuBLAS and whether the bits are equal; a scaled result off by more
+    than FP32 rounding could explain (1e-3) is a bug and recorded."""
+    err, equal = rel_error(out, want), same_bits([out], [want])
+    if scaled and not err <= 1e-3:  # NaN included
+        failures.append(f"{what}: relative error {err:.2e} against cuBLAS")
+    return [f"{err:.2e}", equal if scaled else "- (wrong on purpose)"]
 
 
-def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int, ...]]) -> list[list[object]]:
+def run_shape(experts: int, tokens: int, k: int, n: int, configs: list[tuple[int, ...]], failures: list[str]
+              ) -> list[list[object]]:
     sets, _ = gemm_sets("blockwise", experts, tokens, k, n, torch.device("cuda"))
     pairs = sets["wgrad"]
     splits = [tokens] * experts
-    a_buf, b_buf, sa, sb, off = _buffers(pairs, splits, n, k)
+    bufs = _buffers(pairs, splits, n, k)
     flops = 2.0 * experts * tokens * n * k
-    cublas = on_streams(pairs, [])
-    ms = _graphed(cublas)
+    shape = f"K={k} N={n}"
+    ms = _graphed(on_streams(pairs, []))
     want = torch.stack([o for _, _, o in pairs])
-    rows: list[list[object]] = [[f"K={k} N={n}", "cuBLAS per expert", round(ms, 4), round(flops / ms / 1e9), "-", "-"]]
-    tri = tg.grouped_kgroup(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, blocked=True)
-    ms = _graphed(lambda: tg.grouped_kgroup(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, blocked=True))
-    rows.append([f"K={k} N={n}", "Triton kgroup", round(ms, 4), round(flops / ms / 1e9),
-                 *(f"{e:.2e}" for e in _errors(tri, want))])
+    rows: list[list[object]] = [[shape, "cuBLAS per expert", round(ms, 4), round(flops / ms / 1e9), "-", "-"]]
+    a_buf, b_buf, sa, sb, off = bufs
+
+    def triton() -> torch.Tensor:
+        return tg.grouped_kgroup(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, blocked=True)
+
+    ms = _graphed(triton)
+    rows.append([shape, "Triton kgroup", round(ms, 4), round(flops / ms / 1e9),
+                 *_check_out(failures, f"{shape} Triton", triton(), want)])
     for config in configs:
-        fn, name = _runner(config, a_buf, b_buf, sa, sb, off, n, k)
+        fn, name = _runner(config, bufs, splits, n, k), _name(config)
         try:
             out = fn()
             torch.cuda.synchronize()
-        except Exception as exc:  # a config that does not compile or launch: say so, go on
-            rows.append([f"K={k} N={n}", name, "failed", str(exc).splitlines()[0][:80], "-", "-"])
+        except Exception as exc:  # a config that does not build or launch: recorded, the others go on
+            failures.append(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            rows.append([shape, name, "failed", "-", "-", "-"])
             continue
         ms = _graphed(fn)
-        rows.append([f"K={k} N={n}", name, round(ms, 4), round(flops / ms / 1e9),
-                     *(f"{e:.2e}" for e in _errors(out, want))])
+        rows.append([shape, name, round(ms, 4), round(flops / ms / 1e9),
+                     *_check_out(failures, f"{shape} {name}", out, want, scaled=_scaled(config))])
         print(rows[-1], flush=True)
     return rows
 
 
-def _runner(config: tuple[int, ...], a_buf: torch.Tensor, b_buf: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-            off: torch.Tensor, n: int, k: int) -> tuple[Callable[[], torch.Tensor], str]:
-    """The kernel call a config names: ``(stages, wn, unroll, scaled)`` for the cp.async kernel,
-    ``(0, stages, unroll)`` for the TMA one, ``(1, stages, unroll)`` for the TMA one launched per
-    expert, ``(2, stages, unroll)`` for that one warp-specialized."""
+def _scaled(config: tuple[int, ...]) -> bool:
+    return config[0] in (0, 1, 2) or bool(config[3])
+
+
+def _runner(config: tuple[int, ...], bufs: tuple[torch.Tensor, ...], splits: list[int], n: int, k: int
+            ) -> Callable[[], torch.Tensor]:
+    """The kernel call a config names: ``(stages, wn, unroll, scaled)`` for the cp.async kernel
+    (stages >= 3), ``(0, stages, unroll)`` for the TMA one, ``(1, stages, unroll)`` for the TMA
+    one launched per expert, ``(2, stages, unroll)`` for that one warp-specialized."""
+    a_buf, b_buf, sa, sb, off = bufs
+    out = torch.bfloat16
     if config[0] in (1, 2):
         stages, unroll, ws = config[1], config[2], config[0] == 2
-        splits = torch.diff(off).tolist()
-        return (lambda: gw.grouped_wgrad_tma_experts(a_buf, b_buf, sa, sb, splits, n, k, torch.bfloat16,
-                                                     stages=stages, unroll=unroll, ws=ws)), _name(config)
+        return lambda: gw.grouped_wgrad_tma_experts(a_buf, b_buf, sa, sb, splits, n, k, out, stages=stages,
+                                                    unroll=unroll, ws=ws)
     if config[0] == 0:
         stages, unroll = config[1], config[2]
-        return (lambda: gw.grouped_wgrad_tma(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages,
-                                             unroll=unroll)), _name(config)
+        return lambda: gw.grouped_wgrad_tma(a_buf, b_buf, sa, sb, off, splits, n, k, out, stages=stages,
+                                            unroll=unroll)
     stages, wn, unroll, scaled = config
-    return (lambda: gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, n, k, torch.bfloat16, stages=stages, wn=wn,
-                                          unroll=unroll, scaled=bool(scaled))), _name(config)
+    return lambda: gw.grouped_wgrad_1d1d(a_buf, b_buf, sa, sb, off, splits, n, k, out, stages=stages, wn=wn,
+                                         unroll=unroll, scaled=bool(scaled))
 
 
 def _name(config: tuple[int, ...]) -> str:
@@ -117,37 +133,30 @@ def _name(config: tuple[int, ...]) -> str:
     if config[0] == 0:
         return f"Gluon TMA stages={config[1]} unroll={config[2]}"
     stages, wn, unroll, scaled = config
-    return f"Gluon stages={stages} wn={wn} unroll={unroll}" + ("" if scaled else " UNSCALED (timing only)")
+    return f"Gluon cp.async stages={stages} wn={wn} unroll={unroll}" + ("" if scaled else ", scales left out")
 
 
-def unequal(k: int, n: int, config: tuple[int, ...]) -> list[list[object]]:
-    """Unequal splits, zeros included, against cuBLAS per expert."""
+UNEQUAL = ([256, 0, 1920, 2176, 128, 0, 384, 1408], [0, 4096, 128, 0])  # zeros included
+
+
+def unequal(k: int, n: int, config: tuple[int, ...], failures: list[str]) -> list[list[object]]:
+    """Unequal splits against cuBLAS per expert; an expert without tokens must get zeros."""
     rows = []
-    for splits in ([256, 0, 1920, 2176, 128, 0, 384, 1408], [0, 4096, 128, 0]):
-        sets, _ = gemm_sets_splits(splits, k, n)
-        pairs = sets
-        a_buf, b_buf, sa, sb, off = _buffers(pairs, splits, n, k)
+    for splits in UNEQUAL:
+        sets, _ = gemm_sets("blockwise", len(splits), 0, k, n, torch.device("cuda"), splits=splits)
+        pairs = sets["wgrad"]
+        for _, _, o in pairs:
+            o.zero_()  # cuBLAS leaves an empty expert's output as it found it
+        bufs = _buffers(pairs, splits, n, k)
         on_streams(pairs, [])()
         want = torch.stack([o for _, _, o in pairs])
-        out = _runner(config, a_buf, b_buf, sa, sb, off, n, k)[0]()
-        zero_ok = all(bool((out[e] == 0).all()) for e, s in enumerate(splits) if s == 0)
-        rows.append([str(splits), f"K={k} N={n}", *(f"{e:.2e}" for e in _errors(out, want)), zero_ok])
+        out = _runner(config, bufs, splits, n, k)()
+        zeros = all(bool((out[e] == 0).all()) for e, s in enumerate(splits) if s == 0)
+        if not zeros:
+            failures.append(f"{_name(config)} {splits}: an expert without tokens got a nonzero gradient")
+        rows.append([str(splits), f"K={k} N={n}", *_check_out(failures, f"{_name(config)} {splits}", out, want),
+                     zeros])
     return rows
-
-
-def gemm_sets_splits(splits: list[int], k: int, n: int, device: str = "cuda") -> tuple[list, None]:
-    """The wgrad pairs of ``probe_gemm_streams.gemm_sets`` for unequal splits."""
-    from probe_gemm_streams import _packed
-
-    from megatron_fp8.recipe import PRESETS, TensorRole
-
-    recipe = PRESETS["blockwise"]
-    m = sum(splits)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-    _, x_c = _packed(recipe, TensorRole.INPUT, x, splits)
-    _, dy_c = _packed(recipe, TensorRole.GRAD_OUTPUT, dy, splits)
-    return [(dy_c[e], x_c[e], torch.zeros(n, k, device=device, dtype=torch.bfloat16)) for e in range(len(splits))], None
 
 
 def main() -> None:
@@ -158,16 +167,20 @@ def main() -> None:
                    default=["4,1,2", "1,4,2", "2,4,2", "2,4,4", "2,5,4", "2,6,4", "2,3,2", "2,5,2"])
     args = p.parse_args()
     configs = [(*(int(v) for v in c.split(",")), 1)[:4] for c in args.configs]
+    failures: list[str] = []  # what went wrong: said at the end, and the probe then exits non-zero
     rows = []
     for k, n in SHAPES:
-        rows += run_shape(args.experts, args.tokens, k, n, configs)
+        rows += run_shape(args.experts, args.tokens, k, n, configs, failures)
     print(environment())
-    print(markdown_table(["shape", "path", "ms per 8 GEMMs", "TFLOP/s", "rel. error vs cuBLAS",
-                          "max diff / max"], rows))
+    print(markdown_table(["shape", "path", f"ms per {args.experts} GEMMs", "TFLOP/s", "rel. error vs cuBLAS",
+                          "bits equal cuBLAS's"], rows))
+    k, n = SHAPES[0]
     for config in configs[:1] + [c for c in configs if c[0] == 2][:1]:
         print(_name(config))
-        print(markdown_table(["splits", "shape", "rel. error vs cuBLAS", "max diff / max", "zero experts zero"],
-                             unequal(4096, 2048, config)))
+        print(markdown_table(["splits", "shape", "rel. error vs cuBLAS", "bits equal cuBLAS's",
+                              "zero for empty experts"], unequal(k, n, config, failures)))
+    if failures:
+        raise SystemExit("probe_gluon_wgrad: " + "; ".join(failures))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_buffers_hold_each_experts_operands(splits: list[int]) -> None:
     k, n = 256, 384
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pairs, _ = probe_gluon_wgrad.gemm_sets_splits(splits, k, n, device)
+    sets, _ = probe_gluon_wgrad.gemm_sets("blockwise", len(splits), 0, k, n, torch.device(device), splits=splits)
+    pairs = sets["wgrad"]
     a_buf, b_buf, sa, sb, off = probe_gluon_wgrad._buffers(pairs, splits, n, k)
     m = sum(splits)
     assert a_buf.numel() == n * m and b_buf.numel() == k * m
@@ -56,7 +57,8 @@ def test_kernel_builds_for_sm90_without_spills_or_serialized_mmas(warp_specializ
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)  # this process's Triton
     code = (f"import gluon_wgrad; ptx, report = gluon_wgrad.sm90_report({warp_specialized}); "
             "print(report); print('async waits:', ptx.count('wgmma.wait_group.sync.aligned 1;')); "
-            "print('register hand-over:', 'setmaxnreg' in ptx)")
+            "print('register hand-over:', 'setmaxnreg' in ptx); "
+            "print('barrier before each MMA:', gluon_wgrad.barrier_before_each_mma(ptx))")
     out = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=env, capture_output=True, text=True)
     text = out.stdout + out.stderr
     if out.returncode and "ptxas" in text and "No such file" in text:
@@ -67,3 +69,5 @@ def test_kernel_builds_for_sm90_without_spills_or_serialized_mmas(warp_specializ
     assert "async waits: 0" not in text, text  # two MMAs in flight somewhere
     # the warp-specialized kernel moves registers from its copier warp to the MMA warps
     assert ("register hand-over: True" in text) == warp_specialized, text
+    # the cp.async kernel's copies are only safe for the MMAs behind Triton's CTA barriers
+    assert "barrier before each MMA: True" in text, text
