@@ -18,8 +18,8 @@ kernel                          copies                                          
 ==============================  ===================================================  ==========
 ``_wgrad_kernel``               ``cp.async`` by every thread, CTA barriers per step  643-673
 ``_wgrad_tma_kernel``           TMA, descriptors built in each program               499-507
-``_wgrad_tma_expert_kernel``    TMA, host descriptors, one launch per expert         568-587
-``_wgrad_ws_expert_kernel``     the same, warp-specialized (copier warp, mbarriers)  644-663
+``_wgrad_tma_expert_kernel``    TMA, host descriptors, one launch per expert         568-588
+``_wgrad_ws_expert_kernel``     the same, warp-specialized (copier warp, mbarriers)  644-671
 ==============================  ===================================================  ==========
 
 All give cuBLAS's bits. With 8192 tokens an expert (64 steps a tile) the warp-specialized one
