@@ -56,6 +56,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK = 128  # tokens per scale and per MMA step
+# shared-memory layouts of an FP8 operand tile (128-byte rows, swizzled for the MMAs) and of a row
+# of 128 FP32 scales: the kernels' and the host's TMA descriptors
+OPERAND_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+SCALE_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 @gluon.jit
@@ -109,6 +113,66 @@ def _promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr, SC
 
 
 @gluon.jit
+def _two_accumulators(issue, retire, ctx, n_steps, acc, buf_x, buf_y, UNROLL: gl.constexpr, STAGES: gl.constexpr,
+                      mma: gl.constexpr, SCALED: gl.constexpr = True):
+    """``acc`` plus the promoted products of ``n_steps`` steps, two accumulators taking the steps
+    in turn: while one step's MMA runs (``issue(ctx, step, buf, STAGES)``, asynchronous), the
+    previous step's result is scaled into ``acc`` (``retire(ctx, acc, part, step, STAGES, mma,
+    SCALED)``; ``ctx``: the kernel's tensors and buffers, constants go as arguments). ptxas keeps MMAs
+    asynchronous only while no loop back-edge separates an accumulator's MMA from a read of the
+    other one, so the loop runs UNROLL steps per trip and waits for all of them at its end (that
+    step's promotion is not overlapped); the last n_steps % UNROLL steps run one at a time."""
+    n_main = n_steps // UNROLL * UNROLL
+    for g in range(0, n_main, UNROLL):
+        tok_x = issue(ctx, g, buf_x, STAGES)
+        for u in gl.static_range(1, UNROLL):
+            if u % 2 == 1:
+                tok_y = issue(ctx, g + u, buf_y, STAGES)
+                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
+                acc = retire(ctx, acc, buf_x, g + u - 1, STAGES, mma, SCALED)
+            else:
+                tok_x = issue(ctx, g + u, buf_x, STAGES)
+                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
+                acc = retire(ctx, acc, buf_y, g + u - 1, STAGES, mma, SCALED)
+        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
+        acc = retire(ctx, acc, buf_y, g + UNROLL - 1, STAGES, mma, SCALED)
+    for i in range(n_main, n_steps):
+        tok_x = issue(ctx, i, buf_x, STAGES)
+        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
+        acc = retire(ctx, acc, buf_x, i, STAGES, mma, SCALED)
+    return acc
+
+
+@gluon.jit
+def _cp_issue(ctx, step, buf, STAGES: gl.constexpr):
+    ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e = ctx
+    return _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, step, buf, STAGES)
+
+
+@gluon.jit
+def _cp_retire(ctx, acc, part, step, STAGES: gl.constexpr, mma: gl.constexpr, SCALED: gl.constexpr):
+    return _promote(acc, part, ctx[1], step, STAGES, mma, SCALED)
+
+
+@gluon.jit
+def _store_tile(c_ptr, acc, row0, col0, K, BN: gl.constexpr, BK: gl.constexpr, mma: gl.constexpr):
+    """Write the ``BN x BK`` tile ``acc`` at (``row0``, ``col0``) of the row-major ``[*, K]``
+    output at ``c_ptr``."""
+    rn = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    rk = col0 + gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
+    gl.store(c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :], acc.to(c_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _tma_buffers(descs, STAGES: gl.constexpr):
+    """Shared memory for ``STAGES`` steps of the four TMA copies, each in its descriptor's layout."""
+    return (gl.allocate_shared_memory(descs[0].dtype, [STAGES] + descs[0].block_type.shape, descs[0].layout),
+            gl.allocate_shared_memory(descs[1].dtype, [STAGES] + descs[1].block_type.shape, descs[1].layout),
+            gl.allocate_shared_memory(descs[2].dtype, [STAGES] + descs[2].block_type.shape, descs[2].layout),
+            gl.allocate_shared_memory(descs[3].dtype, [STAGES] + descs[3].block_type.shape, descs[3].layout))
+
+
+@gluon.jit
 def _tile(off_ptr, n_tn, n_tk):
     """This program's expert, output tile (row and column block) and the expert's first token and
     token count (``off_ptr``: the experts' token offsets, int32 or int64, multiples of 128)."""
@@ -134,10 +198,9 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
     # thread needs fewer address registers but ran 27% slower)
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                         warps_per_cta=[num_warps, 1], order=[1, 0])
-    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    smems = (gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BN, BT], smem),
-             gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BK, BT], smem),
+    smems = (gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, BN, BT], OPERAND_SMEM),
+             gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BK, BT], OPERAND_SMEM),
              gl.allocate_shared_memory(gl.float32, [STAGES, BN], vec),
              gl.allocate_shared_memory(gl.float32, [STAGES, BK], vec))
 
@@ -150,40 +213,14 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk
     sc_k = pid_k * BK + gl.arange(0, BK, layout=sc)
     tb0 = start // BT
     ops = (a_ptr + N.to(gl.int64) * start, b_ptr + K.to(gl.int64) * start, sa_ptr + tb0 * N, sb_ptr + tb0 * K, N, K)
-    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    rk = pid_k * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, mma))
-
     acc = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
-    buf_x = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
-    buf_y = gl.zeros([BN, BK], dtype=gl.float32, layout=mma)
-    # Two accumulators take the steps in turn: while one step's MMA runs, the previous step's
-    # result is scaled into ``acc``. ptxas keeps MMAs asynchronous only while no loop back-edge
-    # separates an accumulator's MMA from a read of the other one, so the loop runs UNROLL steps
-    # per trip and waits for all of them at its end (that step's promotion is not overlapped);
-    # the last n_steps % UNROLL steps run one at a time.
-    n_main = n_steps // UNROLL * UNROLL
     for j in gl.static_range(STAGES - 2):  # the first steps' copies in flight
         _load_step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, j, STAGES)
-    for g in range(0, n_main, UNROLL):
-        tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g, buf_x, STAGES)
-        for u in gl.static_range(1, UNROLL):
-            if u % 2 == 1:
-                tok_y = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_y, STAGES)
-                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
-                acc = _promote(acc, buf_x, smems, g + u - 1, STAGES, mma, SCALED)
-            else:
-                tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, g + u, buf_x, STAGES)
-                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
-                acc = _promote(acc, buf_y, smems, g + u - 1, STAGES, mma, SCALED)
-        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
-        acc = _promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma, SCALED)
-    for i in range(n_main, n_steps):
-        tok_x = _step(ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e, i, buf_x, STAGES)
-        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
-        acc = _promote(acc, buf_x, smems, i, STAGES, mma, SCALED)
+    ctx = (ops, smems, rows_a, rows_b, cols, sc_n, sc_k, m_e)
+    acc = _two_accumulators(_cp_issue, _cp_retire, ctx, n_steps, acc, gl.zeros_like(acc), gl.zeros_like(acc), UNROLL,
+                            STAGES, mma, SCALED)
     async_copy.wait_group(0)
-    dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
-    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+    _store_tile(c_ptr + e.to(gl.int64) * N * K, acc, pid_n * BN, pid_k * BK, K, BN, BK, mma)
 
 
 @gluon.jit
@@ -224,6 +261,17 @@ def _tma_promote(acc, part, smems, step, STAGES: gl.constexpr, mma: gl.constexpr
 
 
 @gluon.jit
+def _tma_issue_step(ctx, step, buf, STAGES: gl.constexpr):
+    descs, smems, ready, rows, n_steps = ctx
+    return _tma_step(descs, smems, ready, rows, step, n_steps, buf, STAGES)
+
+
+@gluon.jit
+def _tma_retire(ctx, acc, part, step, STAGES: gl.constexpr, mma: gl.constexpr, SCALED: gl.constexpr):
+    return _tma_promote(acc, part, ctx[1], step, STAGES, mma)
+
+
+@gluon.jit
 def _tma_mainloop(descs, smems, rows, n_steps, STAGES: gl.constexpr, UNROLL: gl.constexpr, mma: gl.constexpr):
     """The FP32 sum of a 128x128 output tile over ``n_steps`` (> 0) steps: ``STAGES`` buffers of
     TMA copies, two accumulators in turn (see ``_wgrad_kernel``)."""
@@ -235,26 +283,8 @@ def _tma_mainloop(descs, smems, rows, n_steps, STAGES: gl.constexpr, UNROLL: gl.
     gl.thread_barrier()
     for j in gl.static_range(STAGES - 2):
         _tma_issue(descs, smems, ready, rows, j, n_steps, STAGES)
-    buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-    buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-    n_main = n_steps // UNROLL * UNROLL
-    for g in range(0, n_main, UNROLL):
-        tok_x = _tma_step(descs, smems, ready, rows, g, n_steps, buf_x, STAGES)
-        for u in gl.static_range(1, UNROLL):
-            if u % 2 == 1:
-                tok_y = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_y, STAGES)
-                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
-                acc = _tma_promote(acc, buf_x, smems, g + u - 1, STAGES, mma)
-            else:
-                tok_x = _tma_step(descs, smems, ready, rows, g + u, n_steps, buf_x, STAGES)
-                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
-                acc = _tma_promote(acc, buf_y, smems, g + u - 1, STAGES, mma)
-        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
-        acc = _tma_promote(acc, buf_y, smems, g + UNROLL - 1, STAGES, mma)
-    for i in range(n_main, n_steps):
-        tok_x = _tma_step(descs, smems, ready, rows, i, n_steps, buf_x, STAGES)
-        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
-        acc = _tma_promote(acc, buf_x, smems, i, STAGES, mma)
+    acc = _two_accumulators(_tma_issue_step, _tma_retire, (descs, smems, ready, rows, n_steps), n_steps, acc,
+                            gl.zeros_like(acc), gl.zeros_like(acc), UNROLL, STAGES, mma)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
     return acc
@@ -270,24 +300,18 @@ def _wgrad_tma_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, 
     n_steps = m_e // BT
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, 128, 32])
-    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
     acc = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
     if n_steps > 0:
-        op: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        sc: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         tb0 = start // BT
-        descs = (tma.make_tensor_descriptor(a_ptr + N.to(gl.int64) * start, [N, m_e], [m_e, 1], [128, BT], op),
-                 tma.make_tensor_descriptor(b_ptr + K.to(gl.int64) * start, [K, m_e], [m_e, 1], [128, BT], op),
-                 tma.make_tensor_descriptor(sa_ptr + tb0 * N, [n_steps, N], [N, 1], [1, 128], sc),
-                 tma.make_tensor_descriptor(sb_ptr + tb0 * K, [n_steps, K], [K, 1], [1, 128], sc))
-        smems = (gl.allocate_shared_memory(a_ptr.dtype.element_ty, [STAGES, 128, BT], op),
-                 gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, 128, BT], op),
-                 gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc),
-                 gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sc))
-        acc = _tma_mainloop(descs, smems, (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL, mma)
-    dst = c_ptr + e.to(gl.int64) * N * K + rn[:, None].to(gl.int64) * K + rk[None, :]
-    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+        descs = (tma.make_tensor_descriptor(a_ptr + N.to(gl.int64) * start, [N, m_e], [m_e, 1], [128, BT],
+                                            OPERAND_SMEM),
+                 tma.make_tensor_descriptor(b_ptr + K.to(gl.int64) * start, [K, m_e], [m_e, 1], [128, BT],
+                                            OPERAND_SMEM),
+                 tma.make_tensor_descriptor(sa_ptr + tb0 * N, [n_steps, N], [N, 1], [1, 128], SCALE_SMEM),
+                 tma.make_tensor_descriptor(sb_ptr + tb0 * K, [n_steps, K], [K, 1], [1, 128], SCALE_SMEM))
+        acc = _tma_mainloop(descs, _tma_buffers(descs, STAGES), (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL,
+                            mma)
+    _store_tile(c_ptr + e.to(gl.int64) * N * K, acc, pid_n * 128, pid_k * 128, K, 128, 128, mma)
 
 
 @gluon.jit
@@ -300,16 +324,9 @@ def _wgrad_tma_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps
     pid_k = pid % n_tk
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, 128, 32])
-    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
     descs = (a_desc, b_desc, sa_desc, sb_desc)
-    smems = (gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout),
-             gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout),
-             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sa_desc.layout),
-             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sb_desc.layout))
-    acc = _tma_mainloop(descs, smems, (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL, mma)
-    dst = c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :]
-    gl.store(dst, acc.to(c_ptr.dtype.element_ty))
+    acc = _tma_mainloop(descs, _tma_buffers(descs, STAGES), (pid_n * 128, pid_k * 128), n_steps, STAGES, UNROLL, mma)
+    _store_tile(c_ptr, acc, pid_n * 128, pid_k * 128, K, 128, 128, mma)
 
 
 @gluon.jit
@@ -330,7 +347,9 @@ def _ws_loads(descs, smems, ready, empty, rows, n_steps, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ws_issue(smems, ready, step, buf, STAGES: gl.constexpr):
+def _ws_issue(ctx, step, buf, STAGES: gl.constexpr):
+    """Issue a step's MMA once the copier says its copies landed."""
+    smems, ready, empty = ctx
     stage = step % STAGES
     mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
     return warpgroup_mma(smems[0].index(stage), smems[1].index(stage).permute((1, 0)), buf, use_acc=False,
@@ -338,9 +357,10 @@ def _ws_issue(smems, ready, step, buf, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ws_retire(acc, part, smems, empty, step, STAGES: gl.constexpr, mma: gl.constexpr):
+def _ws_retire(ctx, acc, part, step, STAGES: gl.constexpr, mma: gl.constexpr, SCALED: gl.constexpr):
     """Scale a finished step into ``acc``, then hand its stage back to the copier (after every
     consumer warp is done with it)."""
+    smems, ready, empty = ctx
     acc = _tma_promote(acc, part, smems, step, STAGES, mma)
     gl.thread_barrier()
     mbarrier.arrive(empty.index(step % STAGES), count=1)
@@ -352,26 +372,8 @@ def _ws_mma(smems, ready, empty, n_steps, STAGES: gl.constexpr, UNROLL: gl.const
     """Warp-specialized consumer (the default partition): the two-accumulator loop of
     ``_tma_mainloop`` with mbarrier hand-offs in place of CTA barriers."""
     acc = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-    buf_x = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-    buf_y = gl.zeros([128, 128], dtype=gl.float32, layout=mma)
-    n_main = n_steps // UNROLL * UNROLL
-    for g in range(0, n_main, UNROLL):
-        tok_x = _ws_issue(smems, ready, g, buf_x, STAGES)
-        for u in gl.static_range(1, UNROLL):
-            if u % 2 == 1:
-                tok_y = _ws_issue(smems, ready, g + u, buf_y, STAGES)
-                buf_x = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x, ))
-                acc = _ws_retire(acc, buf_x, smems, empty, g + u - 1, STAGES, mma)
-            else:
-                tok_x = _ws_issue(smems, ready, g + u, buf_x, STAGES)
-                buf_y = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y, ))
-                acc = _ws_retire(acc, buf_y, smems, empty, g + u - 1, STAGES, mma)
-        buf_y = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y, ))
-        acc = _ws_retire(acc, buf_y, smems, empty, g + UNROLL - 1, STAGES, mma)
-    for i in range(n_main, n_steps):
-        tok_x = _ws_issue(smems, ready, i, buf_x, STAGES)
-        buf_x = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x, ))
-        acc = _ws_retire(acc, buf_x, smems, empty, i, STAGES, mma)
+    acc = _two_accumulators(_ws_issue, _ws_retire, (smems, ready, empty), n_steps, acc, gl.zeros_like(acc),
+                            gl.zeros_like(acc), UNROLL, STAGES, mma)
     return (acc, )  # a partition's results go back as a tuple
 
 
@@ -386,10 +388,7 @@ def _wgrad_ws_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps,
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, 128, 32])
     descs = (a_desc, b_desc, sa_desc, sb_desc)
-    smems = (gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout),
-             gl.allocate_shared_memory(b_desc.dtype, [STAGES, 128, 128], b_desc.layout),
-             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sa_desc.layout),
-             gl.allocate_shared_memory(gl.float32, [STAGES, 1, 128], sb_desc.layout))
+    smems = _tma_buffers(descs, STAGES)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -398,9 +397,7 @@ def _wgrad_ws_expert_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, K, n_steps,
     rows = (pid_n * 128, pid_k * 128)
     acc = gl.warp_specialize([(_ws_mma, (smems, ready, empty, n_steps, STAGES, UNROLL, mma)),
                               (_ws_loads, (descs, smems, ready, empty, rows, n_steps, STAGES))], [1], [LOAD_REGS])[0]
-    rn = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, mma))
-    rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
-    gl.store(c_ptr + rn[:, None].to(gl.int64) * K + rk[None, :], acc.to(c_ptr.dtype.element_ty))
+    _store_tile(c_ptr, acc, pid_n * 128, pid_k * 128, K, 128, 128, mma)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, splits: list[int], n: int,
@@ -471,8 +468,7 @@ def grouped_wgrad_tma_experts(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _check(a, b, sa, sb, splits, n, k, stages, unroll)
-    op = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    op, sc = OPERAND_SMEM.value, SCALE_SMEM.value
     c = torch.empty((len(splits), n, k), dtype=out_dtype, device=a.device)
     start = 0
     for e, m in enumerate(splits):
@@ -508,8 +504,7 @@ def _sm90_signature(warp_specialized: bool) -> tuple[Any, list[tuple[str, str]],
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    op = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    op, sc = OPERAND_SMEM.value, SCALE_SMEM.value
     host = [(torch.empty(256, 256, dtype=torch.float8_e5m2), [BLOCK, BLOCK], op),
             (torch.empty(256, 256, dtype=torch.float8_e4m3fn), [BLOCK, BLOCK], op),
             (torch.empty(2, 256), [1, BLOCK], sc), (torch.empty(2, 256), [1, BLOCK], sc)]
