@@ -35,7 +35,7 @@ from probe_gemm_streams import SHAPES, gemm_sets, on_streams
 from megatron_fp8 import gemm_grouped as gg
 from megatron_fp8 import triton_grouped as tg
 from megatron_fp8.quant.kernels import segment_offsets
-from megatron_fp8.testing import same_bits
+from megatron_fp8.testing import capture_step, same_bits
 
 
 def _buffers(pairs: list, splits: list[int], n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -49,12 +49,7 @@ def _buffers(pairs: list, splits: list[int], n: int, k: int) -> tuple[torch.Tens
 
 
 def _graphed(fn: Callable[[], object]) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_ms(g.replay)
+    return median_ms(capture_step(fn)[0].replay)
 
 
 def _check_out(failures: list[str], what: str, out: torch.Tensor, want: torch.Tensor, scaled: bool = True

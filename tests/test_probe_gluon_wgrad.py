@@ -16,14 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_fp8.testing import same_bits
+
 pytest.importorskip("triton.experimental.gluon")
 SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 sys.path.insert(0, SCRIPTS)
 import probe_gluon_wgrad  # noqa: E402
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -44,8 +42,7 @@ def test_buffers_hold_each_experts_operands(splits: list[int]) -> None:
         if m_e:
             for buf, s, op, width in ((a_buf, sa, a, n), (b_buf, sb, b, k)):
                 seg = buf[width * start:width * (start + m_e)].view(width, m_e)
-                assert torch.equal(_bytes(seg), _bytes(op.data))
-                assert torch.equal(s[start // 128:(start + m_e) // 128].t(), op.scale_inv)
+                assert same_bits([seg, s[start // 128:(start + m_e) // 128].t()], [op.data, op.scale_inv])
         start += m_e
 
 
