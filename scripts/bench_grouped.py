@@ -13,7 +13,8 @@ Our FP8 path: one launch casts every expert's input (per-expert scales), one lau
 per expert while a CUDA graph is captured, ``MEGATRON_FP8_GROUPED_GEMM`` picks others); the
 rowwise ``torch._scaled_grouped_mm`` GEMM-only forward is shown as a peer. "weights cached":
 the FP8 weights cast once and reused (``is_first_microbatch=False``: the later micro-batches of
-a gradient-accumulation step). "fwd" runs under ``no_grad`` (no columnwise casts); "fwd+bwd" is the
+a gradient-accumulation step); ``--microbatches N`` adds a graphed iteration of N micro-batches
+whose first casts the weights, per micro-batch. "fwd" runs under ``no_grad`` (no columnwise casts); "fwd+bwd" is the
 training step (x requires grad: fprop, dgrad and wgrad, as the BF16 baseline runs; before
 2026-12-02 x did not, so earlier FP8 fwd+bwd figures lacked dgrad), the number the targets are
 about. "(CUDA graph)" rows replay the same step from a captured graph
@@ -90,8 +91,26 @@ def _fp8_grouped(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits
     return fwd, fwd_bwd
 
 
-def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], graphed_only: bool = False
-                ) -> list[list[object]]:
+def _fp8_iteration(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int], recipe,
+                   microbatches: int):
+    """A gradient-accumulation iteration of ``microbatches`` forward+backward passes, Megatron's way:
+    the FP8 weights cast in the first (``is_first_microbatch=True``) and reused by the others.
+    Grads are reset before each pass, as in the single-step rows (no accumulation kernels, which
+    the BF16 baseline does not run either)."""
+    def iteration() -> None:
+        for i in range(microbatches):
+            x.grad = None
+            for w in layer.weights:
+                w.grad = None
+            with fp8_autocast(fp8_recipe=recipe):
+                y = layer(x, splits, is_first_microbatch=i == 0)
+            y.backward(dy)
+
+    return iteration
+
+
+def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], graphed_only: bool = False,
+                microbatches: int = 0) -> list[list[object]]:
     m = experts * tokens
     splits = [tokens] * experts
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # dgrad is part of the step
@@ -137,6 +156,15 @@ def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], g
                 f"{' (CUDA graph)' if graphed else ''}", t_f, t_fb,
                 f"{ref_fb / t_fb:.2f}x BF16{' graphed' if graphed else ''} fwd+bwd, {ref_f / t_f:.2f}x fwd")
             del layer
+        if microbatches > 1 and name in GRAPHED:  # per micro-batch of a graphed iteration
+            layer = GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+            t_it = median_ms(capture_step(_fp8_iteration(layer, x, dy, splits, PRESETS[name], microbatches))[0].replay)
+            t_mb = t_it / microbatches
+            rows.append([f"fp8 {name} flag=off, iteration of {microbatches} micro-batches (CUDA graph), "
+                         "per micro-batch", "-", "-", t_mb, fl_fb / t_mb / 1e9,
+                         f"{graph_fb / t_mb:.2f}x BF16 graphed fwd+bwd; weights cast in the first only"])
+            print(rows[-1], flush=True)
+            del layer
     return rows
 
 
@@ -148,6 +176,9 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--graphed-only", action="store_true",
                    help="only the graphed FP8 rows (recipes current and blockwise): quicker A/B runs")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="also time a graphed iteration of this many micro-batches (weights cast in the first "
+                        "only, Megatron's is_first_microbatch), per micro-batch")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped.py needs CUDA (run it on the device machine)")
@@ -156,7 +187,7 @@ def main() -> None:
     for k, n in SHAPES:
         shape = f"{args.experts}x{args.tokens} K={k} N={n}"
         groups.append(shape)
-        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes, args.graphed_only):
+        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes, args.graphed_only, args.microbatches):
             table.append([shape, *row])
             if isinstance(row[4], float):
                 series.setdefault(str(row[0]), []).append(row[4])

@@ -23,11 +23,12 @@ where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -84,18 +85,66 @@ def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device) -> Any | N
 
 
 @functools.cache
-def _kernel(mode: str, e5m2: bool, device: int) -> Any | None:
+def _kernel(mode: str, e5m2: bool, device: int) -> _Kernel | None:
     """The compiled kernel for ``mode`` on ``device``, or None (with one warning) where it cannot
     be built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
     options = [f"-DMODE={MODES[mode]}", f"-DE5M2={int(e5m2)}", f"-DMINB={_BLOCKS_PER_SM}", "-DKFAST=1",
                "-DSTREAM=1", f"-DNOCLAMP={int(not _CLAMP)}"]
     try:
         with torch.cuda.device(device):
-            return torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile", nvcc_options=options)
+            built = torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile", nvcc_options=options)
+        return _Kernel(built, built.func, device)
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
         warnings.warn(f"megatron_fp8: the CUDA {mode} cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)
         return None
+
+
+class _Kernel(NamedTuple):
+    """A built ``cast_tile``: torch's kernel object (it owns the loaded module) and the function
+    handle ``_launch`` passes to the driver, on device ``device``."""
+
+    built: Any
+    func: Any
+    device: int
+
+
+class _Args(ctypes.Structure):
+    """``cast_tile``'s parameters, in its order: seven pointers, then ``M``, ``K``, ``n_seg``."""
+
+    _fields_ = [*((f"p{i}", ctypes.c_void_p) for i in range(7)), ("m", ctypes.c_int), ("k", ctypes.c_int),
+                ("n_seg", ctypes.c_int)]
+
+
+_ARGV = ctypes.c_void_p * len(_Args._fields_)
+_OFFSETS = [getattr(_Args, name).offset for name, _ in _Args._fields_]
+
+
+@functools.cache
+def _driver_launch() -> Any:
+    """The driver's ``cuLaunchKernel``, typed, looked up once. (torch's kernel object opens the
+    driver library, looks the function up, builds its argument array and makes a stream object on
+    every call: ~25-35 us of host time a cast in eager steps, for a 60-75 us kernel.)"""
+    fn = torch.cuda._utils._get_gpu_runtime_library().cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _launch(kernel: _Kernel, grid: tuple[int, int], ptrs: tuple[int, ...], m: int, k: int, n_seg: int) -> None:
+    """``cast_tile<<<grid, 256>>>`` on the current stream of the kernel's device. The arguments live
+    in one structure for the call (the driver copies them at launch), so threads never share one."""
+    args = _Args(*ptrs, m, k, n_seg)
+    base = ctypes.addressof(args)
+    argv = _ARGV(*[base + off for off in _OFFSETS])
+    stream = torch._C._cuda_getCurrentRawStream(kernel.device)
+    if torch.cuda.current_device() == kernel.device:
+        rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
+    else:  # the driver launches in the current device's context, where the kernel was loaded
+        with torch.cuda.device(kernel.device):
+            rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
+    if rc:
+        torch.cuda._utils._check_cuda(rc)
 
 
 def serves(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool, aligned: bool,
@@ -126,8 +175,8 @@ def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tens
     if kernel is None:
         return False
     m, k = x.shape
-    seg = offsets if offsets is not None else x  # unread when n_seg is 0
-    kernel(grid=(k // TILE, m // TILE, 1), block=(256, 1, 1),  # KFAST: the K tiles fastest
-           args=[x, row, row_s if row_s is not None else x, col, col_s if col_s is not None else x, seg,
-                 tensor_scale if tensor_scale is not None else x, m, k, n_seg if offsets is not None else 0])
+    unread = x.data_ptr()  # for buffers this mode never touches; segments unread when n_seg is 0
+    ptrs = tuple(t.data_ptr() if t is not None else unread
+                 for t in (x, row, row_s, col, col_s, offsets, tensor_scale))
+    _launch(kernel, (k // TILE, m // TILE), ptrs, m, k, n_seg if offsets is not None else 0)  # KFAST: K tiles fastest
     return True
