@@ -4,6 +4,8 @@ each grouped-GEMM path (``MEGATRON_FP8_GROUPED_GEMM``) and recipe, and where the
 launch/Python-bound: the GPU waits on us. ``--breakdown``: host microseconds per step in the
 step's parts (forward, backward, the casts, GEMMs, launches, ``torch.empty``), each part timed
 by a wrapper (about a microsecond a call) instead of a profiler, whose per-call cost distorts.
+``--alternate VAR=a,b``: host and device ms a step with the setting ``VAR`` at each value, the
+values alternated round by round in this one process (a setting the package reads per call).
 
     python scripts/profile_grouped_host.py [--experts 8] [--tokens 2048] [--k 4096] [--n 2048] [--breakdown]
 """
@@ -97,6 +99,29 @@ def breakdown(layer: Any, x: torch.Tensor, dy: torch.Tensor, recipe: Any, splits
     return [[label, 1e6 * t / steps, n / steps] for label, (t, n) in acc.items()]
 
 
+def alternate(step: Callable[[], None], var: str, values: list[str], rounds: int = 8) -> list[list[object]]:
+    """``[value, host ms, device ms, new / first host ratio]`` per value of ``var``: medians over
+    ``rounds`` rounds of 20 steps, the values' order rotated each round; the ratio is the median
+    of the per-round ratios to the first value."""
+    import statistics
+
+    old = os.environ.get(var)
+    got: dict[str, list[tuple[float, float]]] = {v: [] for v in values}
+    try:
+        for r in range(rounds):
+            for v in values[r % len(values):] + values[:r % len(values)]:
+                os.environ[var] = v
+                got[v].append(host_and_device_ms(step, 20))
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+    first = got[values[0]]
+    return [[f"{var}={v}", statistics.median(h for h, _ in got[v]), statistics.median(d for _, d in got[v]),
+             statistics.median(h / h0 for (h, _), (h0, _) in zip(got[v], first))] for v in values]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8)
@@ -108,6 +133,8 @@ def main() -> None:
     p.add_argument("--detail", action="store_true",
                    help="also cumulative Python time, host time per aten op and the step's syncs")
     p.add_argument("--breakdown", action="store_true", help="host us per step in the step's parts (no profiler)")
+    p.add_argument("--alternate", metavar="VAR=a,b",
+                   help="host/device ms a step with the setting VAR at each value, alternated in this process")
     args = p.parse_args()
     splits = [args.tokens] * args.experts
     x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -118,6 +145,14 @@ def main() -> None:
             rows_b = breakdown(layer, x, dy, PRESETS[rname], splits)
             print(f"## {rname} ({os.environ.get('MEGATRON_FP8_GROUPED_GEMM', 'auto')}), host us per step\n"
                   + markdown_table(["part", "host us/step", "calls/step"], rows_b), flush=True)
+        return
+    if args.alternate:
+        var, _, vals = args.alternate.partition("=")
+        for rname in args.recipes:
+            got = alternate(train_step(layer, x, dy, PRESETS[rname], splits), var, vals.split(","))
+            print(f"## {rname}, {len(got)} settings alternated\n"
+                  + markdown_table(["setting", "host ms/step", "device ms/step", "host / first, per round"], got),
+                  flush=True)
         return
     rows = []
     for path in args.paths:
