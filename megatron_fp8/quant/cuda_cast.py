@@ -124,7 +124,8 @@ _OFFSETS = [getattr(_Args, name).offset for name, _ in _Args._fields_]
 def _driver_launch() -> Any:
     """The driver's ``cuLaunchKernel``, typed, looked up once. (torch's kernel object opens the
     driver library, looks the function up, builds its argument array and makes a stream object on
-    every call: ~25-35 us of host time a cast in eager steps, for a 60-75 us kernel.)"""
+    every call: on the H200's host, eager blocks steps (three casts) took 16-23% more host time
+    with it, docs/benchmarks.md run AA.)"""
     fn = torch.cuda._utils._get_gpu_runtime_library().cuLaunchKernel
     fn.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
