@@ -81,30 +81,31 @@ def _fp8_grouped(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits
             layer(x, splits, is_first_microbatch=first)
 
     def fwd_bwd() -> None:
-        x.grad = None
-        for w in layer.weights:
-            w.grad = None
-        with fp8_autocast(fp8_recipe=recipe):
-            y = layer(x, splits, is_first_microbatch=first)
-        y.backward(dy)
+        _fp8_pass(layer, x, dy, splits, recipe, first)
 
     return fwd, fwd_bwd
+
+
+def _fp8_pass(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int], recipe,
+              first: bool | None) -> None:
+    """One forward+backward of the FP8 layer, the grads of ``x`` and the weights reset first (no
+    accumulation kernels, which the BF16 baseline does not run either)."""
+    x.grad = None
+    for w in layer.weights:
+        w.grad = None
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x, splits, is_first_microbatch=first)
+    y.backward(dy)
 
 
 def _fp8_iteration(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, splits: list[int], recipe,
                    microbatches: int):
     """A gradient-accumulation iteration of ``microbatches`` forward+backward passes, Megatron's way:
-    the FP8 weights cast in the first (``is_first_microbatch=True``) and reused by the others.
-    Grads are reset before each pass, as in the single-step rows (no accumulation kernels, which
-    the BF16 baseline does not run either)."""
+    the FP8 weights cast in the first (``is_first_microbatch=True``) and reused by the others,
+    each pass as a single-step row's (``_fp8_pass``)."""
     def iteration() -> None:
         for i in range(microbatches):
-            x.grad = None
-            for w in layer.weights:
-                w.grad = None
-            with fp8_autocast(fp8_recipe=recipe):
-                y = layer(x, splits, is_first_microbatch=i == 0)
-            y.backward(dy)
+            _fp8_pass(layer, x, dy, splits, recipe, i == 0)
 
     return iteration
 

@@ -23,6 +23,7 @@ where the kernel cannot be built (no NVRTC): either way the Triton cast runs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -139,11 +140,10 @@ def _launch(kernel: _Kernel, grid: tuple[int, int], ptrs: tuple[int, ...], m: in
     base = ctypes.addressof(args)
     argv = _ARGV(*[base + off for off in _OFFSETS])
     stream = torch._C._cuda_getCurrentRawStream(kernel.device)
-    if torch.cuda.current_device() == kernel.device:
+    # the driver launches in the current device's context: the kernel's, where it was loaded
+    here = torch.cuda.current_device() == kernel.device
+    with contextlib.nullcontext() if here else torch.cuda.device(kernel.device):
         rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
-    else:  # the driver launches in the current device's context, where the kernel was loaded
-        with torch.cuda.device(kernel.device):
-            rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
     if rc:
         torch.cuda._utils._check_cuda(rc)
 
