@@ -94,9 +94,9 @@ def _contiguous(a: torch.Tensor) -> None:
         raise SystemExit("probe_cutlass_blockwise: an operand is not contiguous")
 
 
-def _scales(op: object, rows_granularity: int) -> torch.Tensor:
+def _scales(op: object) -> torch.Tensor:
     """The operand's scales in CUTLASS's M/N-major layout: ``(row_block) + (k_block) * row_blocks``."""
-    if rows_granularity == 1:
+    if op.layout is ScaleLayout.BLOCK_1x128:
         s = _block_scale_layout(op)  # (rows, k/128), strides (1, rows)
         if s.stride(0) != 1 or s.stride(1) != s.shape[0]:
             raise SystemExit("probe_cutlass_blockwise: unexpected 1x128 scale strides")
@@ -110,8 +110,7 @@ def cutlass_runner(fn: Callable[..., int], pairs: Sequence[Pair], outs: Sequence
     for (a, b, _), o in zip(pairs, outs):
         _contiguous(a.data)
         _contiguous(b.data)
-        sa = _scales(a, 1)
-        sb = _scales(b, 1 if b.layout is ScaleLayout.BLOCK_1x128 else 128)
+        sa, sb = _scales(a), _scales(b)
         calls.append((a.data, b.data, sa, sb, o, a.data.shape[0], b.data.shape[0], a.data.shape[1]))
 
     def run() -> None:
@@ -127,13 +126,15 @@ def cutlass_runner(fn: Callable[..., int], pairs: Sequence[Pair], outs: Sequence
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cutlass", required=True, help="folder with CUTLASS's include and tools/util/include")
+    p.add_argument("--cutlass", help="folder with CUTLASS's include and tools/util/include (to build)")
     p.add_argument("--build", default=None, help="build folder (default: a temporary one)")
     p.add_argument("--lib", default=None, help="a libcb.so built before (skips the build)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
     args = p.parse_args()
+    if not args.lib and not args.cutlass:
+        p.error("--cutlass DIR is needed to build (or --lib a libcb.so built before)")
     lib_path = args.lib or build(args.cutlass, args.build or tempfile.mkdtemp(), jobs=args.jobs)
     if not torch.cuda.is_available():
         print(f"built {lib_path}; timing needs CUDA")
