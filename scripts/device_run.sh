@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|steps|probe|tgemm|trace]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace]...
+# Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,6 +42,10 @@ for what in "${steps[@]}"; do
     gluonwgrad) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gluon_wgrad.py ${GW_ARGS:-}) 2>&1 | tee "$OUT/probe_gluon_wgrad.log" ;;
     # cuBLASLt's kernels for the blocks wgrad / dgrad beyond torch's first heuristic answer, timed, bitwise
     ltalgos) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
+    # CUTLASS 4.2's SM90 blockwise-scaled kernels against cuBLAS per expert, built here with nvcc from
+    # the carried nvidia-cutlass wheel's headers, timed, bitwise
+    cutlass) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 timeout 540 python3 probe_cutlass_blockwise.py \
+        --cutlass /tmp/site/cutlass_library/source --build /tmp/cutlass_build --jobs "$(nproc)") 2>&1 | tee "$OUT/probe_cutlass_blockwise.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
     tgemm) python3 scripts/bench_triton_grouped.py 2>&1 | tee "$OUT/bench_triton_grouped.log" ;;

@@ -18,6 +18,10 @@ the experts' GEMMs as ``GroupedLinear`` casts their operands (``probe_gemm_strea
 one CUTLASS call per expert, replayed from a CUDA graph and timed (``do_bench`` median, L2
 flushed), against torch's ``scaled_mm`` per expert (cuBLAS) in the same form. Every row says
 whether its outputs equal cuBLAS's bit for bit and their relative difference.
+
+On the H200 (docs/benchmarks.md run AB; ``device_run.sh cutlass`` builds it there) every build's
+bits equal cuBLAS's and none is faster: cooperative 1-8% slower on fprop and dgrad and 6-20% on
+the wgrad, ping-pong 26-41% slower.
 """
 
 from __future__ import annotations
