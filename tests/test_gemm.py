@@ -88,12 +88,23 @@ def test_fp8_gemm_close_to_high_precision_by_sqnr(recipe, gemm_name: str, reques
 
 
 def test_wrong_scale_layout_shows_as_low_sqnr() -> None:
-    """Sanity of the metric: transposing 1x128 scales (a layout bug) ruins the result."""
-    a, b, ref = _operands(RECIPES["block"], "fprop")
+    """Sanity of the metric: shuffled 1x128 scales (a layout bug) ruin the result. The input's
+    rows span 2^-8..2^8, so its blocks' power-of-two scales differ (with i.i.d. rows most
+    blocks share one scale, and a shuffle could leave the result nearly intact)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.exp2(torch.randint(-8, 9, (M, 1), generator=gen).float())
+    x = (torch.randn(M, K, generator=gen) * rows).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(torch.bfloat16)
+    recipe = RECIPES["block"]
+    a = make_quantizer(recipe, TensorRole.INPUT).quantize(x).rowwise
+    b = make_quantizer(recipe, TensorRole.WEIGHT).quantize(w).rowwise
+    ref = x.float() @ w.float().t()
     good = sqnr(ref, core.gemm(a, b, torch.float32))
-    sq = a.scale_inv.reshape(-1)[torch.randperm(a.scale_inv.numel())].reshape(a.scale_inv.shape)
-    bad = sqnr(ref, core.gemm(core.Operand(a.data, sq, a.layout), b, torch.float32))
-    assert bad < good - 10
+    flat = a.scale_inv.reshape(-1)
+    shuffled = flat[torch.randperm(flat.numel(), generator=gen)].reshape(a.scale_inv.shape)
+    assert not torch.equal(shuffled, a.scale_inv)
+    bad = sqnr(ref, core.gemm(core.Operand(a.data, shuffled, a.layout), b, torch.float32))
+    assert bad < good - 10, f"shuffled scales {bad:.1f} dB against {good:.1f} dB"
 
 
 def test_backend_selection_on_cpu() -> None:

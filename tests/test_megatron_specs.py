@@ -15,6 +15,7 @@ One torchrun launch (TP=2, gloo, CPU; ``dist_workers/spec_worker.py``) builds a 
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -83,17 +84,22 @@ def test_moe_layer_sequential_and_grouped_experts(report: dict) -> None:
 
 
 # ---- in process: specs and the recipe mapping ----
+def _submodules(entry: Any) -> Any:
+    """A spec entry's submodules: a ModuleSpec's, or (megatron-core 0.17+) a partial's keyword."""
+    return entry.keywords["submodules"] if isinstance(entry, functools.partial) else entry.submodules
+
+
 def test_layer_spec_replaces_linears_and_keeps_local_structure() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     ours, theirs = get_gpt_layer_spec(qk_layernorm=True), get_gpt_layer_local_spec(qk_layernorm=True)
-    attn, mlp = ours.submodules.self_attention.submodules, ours.submodules.mlp.submodules
+    attn, mlp = _submodules(ours.submodules.self_attention), _submodules(ours.submodules.mlp)
     assert (attn.linear_qkv, attn.linear_proj) == (ColumnParallelLinear, RowParallelLinear)
     assert (mlp.linear_fc1, mlp.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
     assert ours.submodules.input_layernorm is theirs.submodules.input_layernorm  # separate norms kept
-    assert attn.q_layernorm is theirs.submodules.self_attention.submodules.q_layernorm
+    assert attn.q_layernorm is _submodules(theirs.submodules.self_attention).q_layernorm
     # the input spec is left untouched
-    assert theirs.submodules.self_attention.submodules.linear_qkv is not ColumnParallelLinear
+    assert _submodules(theirs.submodules.self_attention).linear_qkv is not ColumnParallelLinear
 
 
 def test_to_fp8_spec_rejects_specs_without_local_linears() -> None:
@@ -101,6 +107,51 @@ def test_to_fp8_spec_rejects_specs_without_local_linears() -> None:
 
     with pytest.raises(ValueError, match="no megatron-core ColumnParallelLinear"):
         to_fp8_spec(ModuleSpec(module=object))
+
+
+def _experts_entry(spec: Any) -> Any:
+    """The experts entry of a layer spec's MoE submodules."""
+    return _submodules(spec.submodules.mlp).experts
+
+
+def _module_of(entry: Any) -> type:
+    return entry.func if isinstance(entry, functools.partial) else entry.module
+
+
+def test_grouped_experts_from_either_megatron_spec_form() -> None:
+    """moe_grouped_gemm=True gives TEGroupedMLP holding our grouped linears, whether the local
+    spec built the legacy GroupedMLP (0.16) or SequentialMLP (0.17+ ignores the flag there):
+    the second is what ``grouped_experts=True`` converts, from a SequentialMLP spec built here."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe import experts
+
+    from megatron_fp8.parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+
+    sequential = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    assert _module_of(_experts_entry(sequential)) is experts.SequentialMLP
+    for spec in (get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True),
+                 to_fp8_spec(sequential, grouped_experts=True)):
+        entry = _experts_entry(spec)
+        assert _module_of(entry) is experts.TEGroupedMLP
+        sub = _submodules(entry)
+        assert (sub.linear_fc1, sub.linear_fc2) == (ColumnParallelGroupedLinear, RowParallelGroupedLinear)
+        assert type(sub).__name__ in ("GroupedMLPSubmodules", "MLPSubmodules")
+    # without the flag, SequentialMLP experts stay sequential, on our linears
+    kept = _experts_entry(to_fp8_spec(sequential))
+    assert _module_of(kept) is experts.SequentialMLP
+    sub = _submodules(kept)
+    assert (sub.linear_fc1, sub.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+    assert _module_of(_experts_entry(sequential)) is experts.SequentialMLP  # input untouched
+
+
+def test_grouped_experts_without_experts_is_an_error() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    with pytest.raises(ValueError, match="no MoE experts"):
+        to_fp8_spec(get_gpt_layer_local_spec(), grouped_experts=True)
+    # a dense layer asked for grouped GEMMs is simply dense (Megatron ignores the flag there too)
+    dense = get_gpt_layer_spec(moe_grouped_gemm=True)
+    assert _submodules(dense.submodules.mlp).linear_fc1 is ColumnParallelLinear
 
 
 @pytest.mark.parametrize(

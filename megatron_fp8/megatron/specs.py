@@ -21,7 +21,9 @@ spec slot                                       megatron_fp8 module
                                                 ``config.fp8``) holding our
                                                 ``ColumnParallelGroupedLinear`` (fc1) /
                                                 ``RowParallelGroupedLinear`` (fc2) instead of
-                                                the legacy ``GroupedMLP``
+                                                the legacy ``GroupedMLP`` (megatron-core 0.16)
+                                                or the ``SequentialMLP`` that 0.17+'s local
+                                                spec builds whatever ``moe_grouped_gemm`` says
 ==============================================  ============================================
 
 Norms, core attention, the router and the token dispatchers stay Megatron's.
@@ -88,20 +90,24 @@ def _replacements() -> dict[type, type]:
 
 
 def _grouped_experts_spec(module_spec_cls: type) -> Any:
-    """megatron-core's ``TEGroupedMLP`` container with our grouped linears (no TE needed)."""
+    """megatron-core's ``TEGroupedMLP`` container with our grouped linears (no TE needed), with
+    the submodules class this megatron-core's ``TEGroupedMLP`` takes (0.17+:
+    ``GroupedMLPSubmodules``; 0.16: ``MLPSubmodules``)."""
     from ..parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
     experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8 grouped experts")
-    mlp = import_megatron("megatron.core.transformer.mlp", "megatron_fp8 grouped experts")
     container = getattr(experts, "TEGroupedMLP", None)
     if container is None:
         raise ValueError(
             "moe_grouped_gemm=True: this megatron-core has no TEGroupedMLP to hold megatron_fp8's grouped "
             "linears; build the spec with moe_grouped_gemm=False (SequentialMLP experts use our linears)"
         )
+    submodules = getattr(experts, "GroupedMLPSubmodules", None)
+    if submodules is None:
+        submodules = import_megatron("megatron.core.transformer.mlp", "megatron_fp8 grouped experts").MLPSubmodules
     return module_spec_cls(
         module=container,
-        submodules=mlp.MLPSubmodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear),
+        submodules=submodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear),
     )
 
 
@@ -109,28 +115,40 @@ class _Converter:
     """Walks a spec tree (ModuleSpec, submodule dataclasses, partials, lists) and rebuilds it
     with megatron-core's local linears replaced; the input spec is not modified."""
 
-    def __init__(self) -> None:
+    def __init__(self, grouped_experts: bool = False) -> None:
         spec_utils = import_megatron("megatron.core.transformer.spec_utils", "megatron_fp8.megatron.to_fp8_spec")
         experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8.megatron.to_fp8_spec")
         self.module_spec = spec_utils.ModuleSpec
-        self.legacy_grouped = getattr(experts, "GroupedMLP", None)
+        # experts containers to swap for TEGroupedMLP holding our grouped linears
+        self.to_group = {getattr(experts, "GroupedMLP", None)}
+        if grouped_experts:
+            self.to_group.add(experts.SequentialMLP)
+        self.to_group.discard(None)
+        self.grouped_experts = grouped_experts
+        self.grouped = 0
         self.classes = _replacements()
         self.replaced = 0
         self.te_classes: list[str] = []
+
+    def _grouped(self) -> Any:
+        self.replaced += 1
+        self.grouped += 1
+        return _grouped_experts_spec(self.module_spec)
 
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, type):
             return self._class(obj)
         if isinstance(obj, self.module_spec):
-            if self.legacy_grouped is not None and obj.module is self.legacy_grouped:
-                self.replaced += 1
-                return _grouped_experts_spec(self.module_spec)
+            if obj.module in self.to_group:
+                return self._grouped()
             new = copy.copy(obj)
             new.module = self(obj.module)
             new.submodules = self(obj.submodules)
             new.params = dict(obj.params)
             return new
         if isinstance(obj, functools.partial):
+            if obj.func in self.to_group:  # megatron-core 0.17+ builds experts from partials
+                return self._grouped()
             return functools.partial(self(obj.func), *map(self, obj.args),
                                      **{k: self(v) for k, v in obj.keywords.items()})
         if isinstance(obj, (list, tuple)):
@@ -151,12 +169,15 @@ class _Converter:
         return cls
 
 
-def to_fp8_spec(spec: Any) -> Any:
+def to_fp8_spec(spec: Any, *, grouped_experts: bool = False) -> Any:
     """A copy of a megatron-core *local* spec (layer, block or MoE spec) with its
     Column/RowParallelLinears replaced by megatron_fp8's and a legacy ``GroupedMLP`` by
-    ``TEGroupedMLP`` holding our grouped linears. Raises if the spec holds Transformer Engine
-    linears (build it from the local spec) or no linear to replace."""
-    conv = _Converter()
+    ``TEGroupedMLP`` holding our grouped linears. ``grouped_experts=True`` swaps
+    ``SequentialMLP`` experts for that ``TEGroupedMLP`` too: megatron-core 0.17+'s local specs
+    build ``SequentialMLP`` experts whatever ``moe_grouped_gemm`` says. Raises if the spec holds
+    Transformer Engine linears (build it from the local spec), no linear to replace, or, with
+    ``grouped_experts``, no experts to group."""
+    conv = _Converter(grouped_experts)
     out = conv(spec)
     if conv.te_classes:
         raise ValueError(
@@ -168,6 +189,11 @@ def to_fp8_spec(spec: Any) -> Any:
         raise ValueError(
             "to_fp8_spec: the spec holds no megatron-core ColumnParallelLinear / RowParallelLinear to replace; "
             "pass a spec built by megatron-core's local spec functions"
+        )
+    if grouped_experts and conv.grouped == 0:
+        raise ValueError(
+            "to_fp8_spec(grouped_experts=True): the spec holds no MoE experts (SequentialMLP / GroupedMLP) to "
+            "group; build it with num_experts set, or leave grouped_experts off"
         )
     return out
 
@@ -198,4 +224,4 @@ def get_gpt_layer_spec(
             raise ValueError(f"get_gpt_layer_spec: this megatron-core's get_gpt_layer_local_spec does not take "
                              f"{unknown}; leave them at their defaults")
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    return to_fp8_spec(local(**kwargs))
+    return to_fp8_spec(local(**kwargs), grouped_experts=bool(moe_grouped_gemm and num_experts))
