@@ -124,7 +124,6 @@ class _Converter:
         if grouped_experts:
             self.to_group.add(experts.SequentialMLP)
         self.to_group.discard(None)
-        self.grouped_experts = grouped_experts
         self.grouped = 0
         self.classes = _replacements()
         self.replaced = 0
