@@ -154,6 +154,27 @@ def test_grouped_experts_without_experts_is_an_error() -> None:
     assert _submodules(dense.submodules.mlp).linear_fc1 is ColumnParallelLinear
 
 
+def test_multi_latent_attention_is_refused_with_the_reason() -> None:
+    """megatron-core's MLA accepts only its own classes for the q/kv down-projections (an
+    identity check), so a converted MLA spec could never build: both entry points say so."""
+    from megatron.core import tensor_parallel as mtp
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    with pytest.raises(ValueError, match="multi_latent_attention=True.*linear_q_down_proj / linear_kv_down_proj"):
+        get_gpt_layer_spec(multi_latent_attention=True)
+    sub = MLASelfAttentionSubmodules(linear_proj=mtp.RowParallelLinear, q_layernorm=IdentityOp,
+                                     kv_layernorm=IdentityOp, linear_q_down_proj=mtp.ColumnParallelLinear,
+                                     linear_q_up_proj=mtp.ColumnParallelLinear,
+                                     linear_kv_down_proj=mtp.ColumnParallelLinear,
+                                     linear_kv_up_proj=mtp.ColumnParallelLinear)
+    for spec in (ModuleSpec(module=MLASelfAttention, submodules=sub),
+                 functools.partial(MLASelfAttention, submodules=sub)):
+        with pytest.raises(ValueError, match=r"the spec holds \['MLASelfAttention'\].*megatron_fp8.blocks"):
+            to_fp8_spec(spec)
+
+
 @pytest.mark.parametrize(
     ("fields", "want"),
     [

@@ -10,8 +10,7 @@ Megatron's. What is replaced:
 ==============================================  ============================================
 spec slot                                       megatron_fp8 module
 ==============================================  ============================================
-``self_attention.linear_qkv`` (MLA: ``linear_q*``,  ``ColumnParallelLinear``
-``linear_kv*``), ``mlp.linear_fc1``,
+``self_attention.linear_qkv``, ``mlp.linear_fc1``,  ``ColumnParallelLinear``
 ``mlp.shared_experts.linear_fc1``,
 ``mlp.experts.local_experts.{i}.linear_fc1``
 ``self_attention.linear_proj``, ``mlp.linear_fc2``  ``RowParallelLinear``
@@ -27,6 +26,14 @@ spec slot                                       megatron_fp8 module
 ==============================================  ============================================
 
 Norms, core attention, the router and the token dispatchers stay Megatron's.
+
+Multi-latent attention is refused with an error: megatron-core's ``MLASelfAttention`` accepts
+only its own classes (``Linear``, ``ColumnParallelLinear``, TE's) for ``linear_q_down_proj`` and
+``linear_kv_down_proj`` (an identity check in 0.16 and 0.19), so no other linear can sit there
+through a spec; and its local MLA spec does not build without Transformer Engine anyway (0.16.1:
+``DotProductAttention`` takes no ``k_channels``; 0.19.2: the local backend has no ``linear()``).
+``megatron_fp8.blocks`` (``NormProjections`` with q_down / kv_down, ``MLAUpProjAttention``)
+holds the MLA patterns on the package's own layers.
 
 Usage::
 
@@ -59,6 +66,7 @@ around the forward instead (``megatron_fp8.megatron.fp8``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -128,6 +136,11 @@ class _Converter:
         self.classes = _replacements()
         self.replaced = 0
         self.te_classes: list[str] = []
+        self.refused: set[type] = set()  # multi-latent attention: see _MLA_REFUSED
+        with contextlib.suppress(ImportError):
+            mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+            self.refused = {getattr(mla, n) for n in ("MLASelfAttention", "MultiLatentAttention") if hasattr(mla, n)}
+        self.mla: list[str] = []
 
     def _grouped(self) -> Any:
         self.replaced += 1
@@ -137,6 +150,11 @@ class _Converter:
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, type):
             return self._class(obj)
+        module = obj.module if isinstance(obj, self.module_spec) else None
+        if isinstance(obj, functools.partial):
+            module = obj.func
+        if module in self.refused:
+            self.mla.append(module.__name__)
         if isinstance(obj, self.module_spec):
             if obj.module in self.to_group:
                 return self._grouped()
@@ -168,6 +186,14 @@ class _Converter:
         return cls
 
 
+_MLA_REFUSED = (
+    "{where}: megatron-core's multi-latent attention accepts only its own classes for linear_q_down_proj / "
+    "linear_kv_down_proj (it checks them by identity), so megatron_fp8's linears cannot be placed there "
+    "through a spec (and its local MLA spec does not build without Transformer Engine). Build MLA from "
+    "megatron_fp8.blocks (NormProjections, MLAUpProjAttention), or use a standard-attention spec"
+)
+
+
 def to_fp8_spec(spec: Any, *, grouped_experts: bool = False) -> Any:
     """A copy of a megatron-core *local* spec (layer, block or MoE spec) with its
     Column/RowParallelLinears replaced by megatron_fp8's and a legacy ``GroupedMLP`` by
@@ -178,6 +204,8 @@ def to_fp8_spec(spec: Any, *, grouped_experts: bool = False) -> Any:
     ``grouped_experts``, no experts to group."""
     conv = _Converter(grouped_experts)
     out = conv(spec)
+    if conv.mla:
+        raise ValueError(_MLA_REFUSED.format(where=f"to_fp8_spec: the spec holds {sorted(set(conv.mla))}"))
     if conv.te_classes:
         raise ValueError(
             f"to_fp8_spec: the spec holds Transformer Engine linears {sorted(set(conv.te_classes))}, which "
@@ -208,6 +236,8 @@ def get_gpt_layer_spec(
     """megatron-core's ``get_gpt_layer_local_spec(...)`` with megatron_fp8's linears (see the
     module docstring for what is replaced). Arguments as megatron-core's; ``normalization``
     ``"RMSNorm"`` or None (LayerNorm)."""
+    if multi_latent_attention:
+        raise ValueError(_MLA_REFUSED.format(where="get_gpt_layer_spec(multi_latent_attention=True)"))
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.get_gpt_layer_spec")
     local = getattr(specs, "get_gpt_layer_local_spec", None)
     if local is None:
