@@ -44,7 +44,10 @@ for what in "${steps[@]}"; do
     ltalgos) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
     # CUTLASS 4.2's SM90 blockwise-scaled kernels against cuBLAS per expert, built here with nvcc from
     # the carried nvidia-cutlass wheel's headers, timed, bitwise
-    cutlass) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 timeout 540 python3 probe_cutlass_blockwise.py \
+    cutlass) if [ ! -d /tmp/site/cutlass_library/source/include ]; then
+        echo "cutlass: no CUTLASS headers under /tmp/site: carry nvidia_cutlass-*.whl in .whl" | tee "$OUT/probe_cutlass_blockwise.log"; continue
+      fi
+      (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 timeout 540 python3 probe_cutlass_blockwise.py \
         --cutlass /tmp/site/cutlass_library/source --build /tmp/cutlass_build --jobs "$(nproc)") 2>&1 | tee "$OUT/probe_cutlass_blockwise.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
     probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;

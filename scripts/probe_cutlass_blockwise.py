@@ -4,7 +4,7 @@
 
 Why: the graphed blocks step (8 experts x 2048 tokens) sits at ~1.28x the BF16 step against
 issue 5's 1.3x, and its GEMMs are four fifths of it; the wgrad (both operands 1x128 along the
-tokens) runs at ~855 TFLOP/s against ~1150 for the dgrad of the same FLOPs (docs/benchmarks.md
+tokens) runs at ~850 TFLOP/s against ~1010-1130 for the dgrad of the same FLOPs (docs/benchmarks.md
 runs X-Z). cuBLAS holds no faster kernel for it (run Y) and our Triton and Gluon kernels are
 slower (run Z). CUTLASS 4 has its own SM90 blockwise-scaled kernels, a cooperative one and a
 ping-pong one (two consumer warpgroups, each with its own 64-row tile, one's scaling and

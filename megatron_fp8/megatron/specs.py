@@ -1,4 +1,4 @@
-"""megatron-core ``ModuleSpec``s for a GPT transformer layer whose linears are megatron_fp8's.
+"""megatron-core ``ModuleSpec`` objects for a GPT transformer layer whose linears are megatron_fp8's.
 
 The spec is megatron-core's own *local* spec (``get_gpt_layer_local_spec``: separate
 ``input_layernorm`` / ``pre_mlp_layernorm`` modules, ``DotProductAttention``, no Transformer
@@ -7,23 +7,16 @@ Engine) with every megatron-core ``tensor_parallel.ColumnParallelLinear`` /
 ``forward`` contract), so the layer's structure, parameter names and checkpoint keys are
 Megatron's. What is replaced:
 
-==============================================  ============================================
-spec slot                                       megatron_fp8 module
-==============================================  ============================================
-``self_attention.linear_qkv``, ``mlp.linear_fc1``,  ``ColumnParallelLinear``
-``mlp.shared_experts.linear_fc1``,
-``mlp.experts.local_experts.{i}.linear_fc1``
-``self_attention.linear_proj``, ``mlp.linear_fc2``  ``RowParallelLinear``
-(and the shared / sequential experts' fc2)
-``mlp.experts`` with ``moe_grouped_gemm=True``      megatron-core's ``TEGroupedMLP`` container
-                                                (it needs no Transformer Engine without
-                                                ``config.fp8``) holding our
-                                                ``ColumnParallelGroupedLinear`` (fc1) /
-                                                ``RowParallelGroupedLinear`` (fc2) instead of
-                                                the legacy ``GroupedMLP`` (megatron-core 0.16)
-                                                or the ``SequentialMLP`` that 0.17+'s local
-                                                spec builds whatever ``moe_grouped_gemm`` says
-==============================================  ============================================
+* ``ColumnParallelLinear``: ``self_attention.linear_qkv``, ``mlp.linear_fc1``,
+  ``mlp.shared_experts.linear_fc1``, ``mlp.experts.local_experts.{i}.linear_fc1``;
+* ``RowParallelLinear``: ``self_attention.linear_proj``, ``mlp.linear_fc2`` and the shared /
+  sequential experts' fc2;
+* ``mlp.experts`` with ``moe_grouped_gemm=True``: megatron-core's ``TEGroupedMLP`` container (it
+  needs no Transformer Engine without ``config.fp8``) holding our ``ColumnParallelGroupedLinear``
+  (fc1) / ``RowParallelGroupedLinear`` (fc2), in place of the legacy ``GroupedMLP``
+  (megatron-core 0.16) or of the ``SequentialMLP`` that 0.17+'s local spec builds whatever
+  ``moe_grouped_gemm`` says. Its checkpoint keys are ``TEGroupedMLP``'s (``linear_fc1.weight{i}``
+  per expert, as with Transformer Engine's grouped experts).
 
 Norms, core attention, the router and the token dispatchers stay Megatron's.
 
@@ -97,10 +90,10 @@ def _replacements() -> dict[type, type]:
     return {tp.ColumnParallelLinear: ColumnParallelLinear, tp.RowParallelLinear: RowParallelLinear}
 
 
-def _grouped_experts_spec(module_spec_cls: type) -> Any:
-    """megatron-core's ``TEGroupedMLP`` container with our grouped linears (no TE needed), with
-    the submodules class this megatron-core's ``TEGroupedMLP`` takes (0.17+:
-    ``GroupedMLPSubmodules``; 0.16: ``MLPSubmodules``)."""
+def _grouped_experts() -> tuple[type, Any]:
+    """megatron-core's ``TEGroupedMLP`` container (it needs no TE without ``config.fp8``) and its
+    submodules holding our grouped linears, in the class this megatron-core's ``TEGroupedMLP``
+    takes (0.17+: ``GroupedMLPSubmodules``; 0.16: ``MLPSubmodules``)."""
     from ..parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
     experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8 grouped experts")
@@ -113,10 +106,7 @@ def _grouped_experts_spec(module_spec_cls: type) -> Any:
     submodules = getattr(experts, "GroupedMLPSubmodules", None)
     if submodules is None:
         submodules = import_megatron("megatron.core.transformer.mlp", "megatron_fp8 grouped experts").MLPSubmodules
-    return module_spec_cls(
-        module=container,
-        submodules=submodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear),
-    )
+    return container, submodules(linear_fc1=ColumnParallelGroupedLinear, linear_fc2=RowParallelGroupedLinear)
 
 
 class _Converter:
@@ -142,30 +132,21 @@ class _Converter:
             self.refused = {getattr(mla, n) for n in ("MLASelfAttention", "MultiLatentAttention") if hasattr(mla, n)}
         self.mla: list[str] = []
 
-    def _grouped(self) -> Any:
-        self.replaced += 1
-        self.grouped += 1
-        return _grouped_experts_spec(self.module_spec)
-
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, type):
             return self._class(obj)
-        module = obj.module if isinstance(obj, self.module_spec) else None
-        if isinstance(obj, functools.partial):
-            module = obj.func
-        if module in self.refused:
+        module = self._builds(obj)
+        if module is not None and self.refused and issubclass(module, tuple(self.refused)):
             self.mla.append(module.__name__)
+        if module is not None and module in self.to_group:
+            return self._grouped(obj)
         if isinstance(obj, self.module_spec):
-            if obj.module in self.to_group:
-                return self._grouped()
             new = copy.copy(obj)
             new.module = self(obj.module)
             new.submodules = self(obj.submodules)
             new.params = dict(obj.params)
             return new
         if isinstance(obj, functools.partial):
-            if obj.func in self.to_group:  # megatron-core 0.17+ builds experts from partials
-                return self._grouped()
             return functools.partial(self(obj.func), *map(self, obj.args),
                                      **{k: self(v) for k, v in obj.keywords.items()})
         if isinstance(obj, (list, tuple)):
@@ -176,6 +157,28 @@ class _Converter:
                 setattr(new, f.name, self(getattr(obj, f.name)))
             return new
         return obj
+
+    def _builds(self, obj: Any) -> type | None:
+        """The class a ModuleSpec or (megatron-core 0.17+) a partial builds, if it is a class."""
+        if isinstance(obj, self.module_spec):
+            obj = obj.module
+        elif isinstance(obj, functools.partial):
+            obj = obj.func
+        else:
+            return None
+        return obj if isinstance(obj, type) else None
+
+    def _grouped(self, obj: Any) -> Any:
+        """``obj`` (experts) rebuilt as TEGroupedMLP with our grouped linears, in the same form."""
+        self.replaced += 1
+        self.grouped += 1
+        container, submodules = _grouped_experts()
+        if isinstance(obj, functools.partial):
+            rest = {k: v for k, v in obj.keywords.items() if k != "submodules"}
+            return functools.partial(container, *obj.args, **rest, submodules=submodules)
+        new = copy.copy(obj)
+        new.module, new.submodules, new.params = container, submodules, dict(obj.params)
+        return new
 
     def _class(self, cls: type) -> type:
         if cls in self.classes:
@@ -253,4 +256,4 @@ def get_gpt_layer_spec(
             raise ValueError(f"get_gpt_layer_spec: this megatron-core's get_gpt_layer_local_spec does not take "
                              f"{unknown}; leave them at their defaults")
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    return to_fp8_spec(local(**kwargs), grouped_experts=bool(moe_grouped_gemm and num_experts))
+    return to_fp8_spec(local(**kwargs), grouped_experts=bool(moe_grouped_gemm) and num_experts is not None)
