@@ -23,6 +23,7 @@ import contextlib
 import enum
 import functools
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ __all__ = [
     "force_backend",
     "forced_backend",
     "record_gemms",
+    "notice_emulation",
 ]
 
 L = ScaleLayout
@@ -295,11 +297,82 @@ def gemm(
         raise ValueError(f"{name}: out must be a contiguous [{m}, {n}] {out_dtype} tensor, got "
                          f"{tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})")
     backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
-    record(name, backend, (a.layout, b.layout), (m, n, k))
+    e5m2_blocks = backend is Backend.NATIVE and a.data.is_cuda and _e5m2_blocks(a, b)
+    if e5m2_blocks and not _triton_serves(a, b):
+        backend = Backend.EMULATE
+        notice_emulation(name, (a.layout, b.layout), (m, n, k), "E5M2 operands with block scales: torch's "
+                         "scaled_mm refuses them, and our Triton GEMM needs every dim a multiple of 128")
+    elif backend is Backend.EMULATE and a.data.is_cuda and forced_backend() is None:
+        notice_emulation(name, (a.layout, b.layout), (m, n, k), _emulation_reason(a, b))
+    record(f"{name}[triton]" if e5m2_blocks and backend is Backend.NATIVE else name, backend,
+           (a.layout, b.layout), (m, n, k))
     if m == 0 or n == 0 or k == 0:
         if out is not None:
             return out.zero_()
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if backend is Backend.NATIVE:
+        if e5m2_blocks:
+            return _into(out, _triton_blocks(a, b, out_dtype, fast_accum))
         return _native(a, b, out_dtype, fast_accum, out)
     return _into(out, emulate(a, b, out_dtype))
+
+
+# ---- HYBRID block scaling: E5M2 gradients with 1x128 / 128x128 scales ----
+def _e5m2_blocks(a: Operand, b: Operand) -> bool:
+    return a.layout in (L.BLOCK_1x128, L.BLOCK_128x128) and torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
+
+
+def _triton_serves(a: Operand, b: Operand) -> bool:
+    """Our Triton GEMMs (``triton_grouped``, one group) take 1x128 x 128x128 (fprop, dgrad) and
+    1x128 x 1x128 (wgrad) operands with every dim a multiple of 128."""
+    (m, k), (n, _) = a.shape, b.shape
+    pair = (a.layout, b.layout)
+    return pair in ((L.BLOCK_1x128, L.BLOCK_128x128), (L.BLOCK_1x128, L.BLOCK_1x128)) and not (m % 128 or n % 128
+                                                                                              or k % 128)
+
+
+def _triton_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``a @ b.T`` for block-scaled operands with an E5M2 one (HYBRID), which torch's
+    ``scaled_mm`` refuses on SM90: our Triton grouped GEMMs with one group. The products of each
+    128-deep K step are scaled and summed in FP32 (DeepSeek-V3's promotion), so results match
+    cuBLAS's E4M3 path within accumulation order, not bitwise."""
+    from . import triton_grouped
+    from .quant.kernels import segment_offsets
+
+    (m, k), (n, _) = a.shape, b.shape
+    if b.layout is L.BLOCK_128x128:  # fprop / dgrad: a's 1x128 scales M-major ([K/128, M]), b's [N/128, K/128]
+        return triton_grouped.grouped_rows(a.data.contiguous(), b.data.contiguous().view(1, n, k),
+                                           a.scale_inv.t().contiguous(), b.scale_inv.contiguous(),
+                                           segment_offsets([m], a.data.device), out_dtype, blocked=True,
+                                           fast_accum=fast_accum)
+    # wgrad: both 1x128 along the contraction (the tokens), each scale as [K/128, rows]
+    return triton_grouped.grouped_kgroup(a.data.contiguous(), b.data.contiguous(), a.scale_inv.t().contiguous(),
+                                         b.scale_inv.t().contiguous(), segment_offsets([k], a.data.device), m, n,
+                                         out_dtype, blocked=True, fast_accum=fast_accum)[0]
+
+
+# ---- emulation on a GPU is never silent ----
+_noticed: set[tuple[str, str]] = set()
+
+
+def _emulation_reason(a: Operand, b: Operand) -> str:
+    if not native_supported(a.layout, b.layout, a.data.device):
+        return "this GPU has no native FP8 GEMM for these scale layouts"
+    return "cuBLAS's FP8 GEMMs need m, n and k multiples of 16"
+
+
+def notice_emulation(name: str, layouts: tuple[ScaleLayout, ScaleLayout], mnk: tuple[int, int, int],
+                     why: str) -> None:
+    """A GEMM on a GPU is emulated (dequantize + FP32 matmul: right numbers, several times slower):
+    warn once per GEMM kind and reason; with ``MEGATRON_FP8_STRICT=1`` raise instead, so that
+    benchmarks and GPU CI can forbid it."""
+    if os.environ.get("MEGATRON_FP8_STRICT", "0") not in ("", "0"):
+        raise RuntimeError(f"{name} {mnk} ({layouts[0].value} x {layouts[1].value}) would be emulated on the GPU: "
+                           f"{why} (MEGATRON_FP8_STRICT=1 forbids emulation)")
+    key = (name.split("[")[0], why)
+    if key in _noticed:
+        return
+    _noticed.add(key)
+    warnings.warn(f"megatron_fp8: {name} {mnk} ({layouts[0].value} x {layouts[1].value}) is emulated on the GPU "
+                  f"(dequantize + FP32 matmul, several times slower): {why}. Shown once per GEMM kind and "
+                  f"reason; MEGATRON_FP8_STRICT=1 makes it an error", RuntimeWarning, stacklevel=3)

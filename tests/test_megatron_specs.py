@@ -120,7 +120,7 @@ def _module_of(entry: Any) -> type:
 
 
 def test_grouped_experts_from_either_megatron_spec_form() -> None:
-    """moe_grouped_gemm=True gives TEGroupedMLP holding our grouped linears, whether the local
+    """moe_grouped_gemm=True gives our GroupedMLP (a TEGroupedMLP) holding our grouped linears, whether the local
     spec built the legacy GroupedMLP (0.16) or SequentialMLP (0.17+ ignores the flag there):
     ``grouped_experts=True`` converts the second, as a ModuleSpec (0.16's form, built here) or
     as a partial (0.17+'s form, made here), keeping the form; shared experts stay dense."""
@@ -129,8 +129,10 @@ def test_grouped_experts_from_either_megatron_spec_form() -> None:
     from megatron.core.transformer import mlp as mcore_mlp
     from megatron.core.transformer.moe import experts
 
+    from megatron_fp8.megatron.experts import GroupedMLP
     from megatron_fp8.parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
 
+    assert issubclass(GroupedMLP, experts.TEGroupedMLP)
     want_sub = getattr(experts, "GroupedMLPSubmodules", mcore_mlp.MLPSubmodules)
     sequential = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     assert _module_of(_experts_entry(sequential)) is experts.SequentialMLP
@@ -138,19 +140,19 @@ def test_grouped_experts_from_either_megatron_spec_form() -> None:
                  to_fp8_spec(sequential, grouped_experts=True)]
     for spec in converted:
         entry = _experts_entry(spec)
-        assert _module_of(entry) is experts.TEGroupedMLP
+        assert _module_of(entry) is GroupedMLP
         sub = _submodules(entry)
         assert type(sub) is want_sub
         assert (sub.linear_fc1, sub.linear_fc2) == (ColumnParallelGroupedLinear, RowParallelGroupedLinear)
         shared = _submodules(spec.submodules.mlp).shared_experts  # 0.19: a builder function's partial
-        assert _module_of(shared) is not experts.TEGroupedMLP
+        assert not issubclass(_module_of(shared), experts.TEGroupedMLP)
         assert (_submodules(shared).linear_fc1, _submodules(shared).linear_fc2) == (ColumnParallelLinear,
                                                                                     RowParallelLinear)
-    # 0.17+'s form: a partial of SequentialMLP becomes a partial of TEGroupedMLP
+    # 0.17+'s form: a partial of SequentialMLP becomes a partial of our GroupedMLP
     as_partial = functools.partial(experts.SequentialMLP, submodules=mcore_mlp.MLPSubmodules(
         linear_fc1=mtp.ColumnParallelLinear, linear_fc2=mtp.RowParallelLinear))
     grouped = to_fp8_spec(as_partial, grouped_experts=True)
-    assert isinstance(grouped, functools.partial) and grouped.func is experts.TEGroupedMLP
+    assert isinstance(grouped, functools.partial) and grouped.func is GroupedMLP
     assert type(grouped.keywords["submodules"]) is want_sub
     # without the flag, SequentialMLP experts stay sequential, on our linears
     kept = _experts_entry(to_fp8_spec(sequential))

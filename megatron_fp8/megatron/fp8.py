@@ -21,13 +21,19 @@ field                     mapping
 ========================  ==================================================================
 
 Settings that megatron_fp8 cannot honour are errors naming the field: ``fp8_param``,
-``fp8_dot_product_attention``, ``fp8_multi_head_attention``, ``fp8_wgrad=False``,
-``first_last_layers_bf16``. Keep ``fp8=None`` on the config that *builds* the model (see
-``specs.py``) and pass a config (or ``args``) carrying the FP8 fields here.
+``fp8_dot_product_attention``, ``fp8_multi_head_attention``, ``fp8_wgrad=False``, and
+``first_last_layers_bf16`` in ``fp8_context`` (one region for the whole forward).
+
+``get_fp8_context(config, layer_no, is_init)`` is the drop-in for megatron-core's function of that
+name, which Megatron's transformer block calls per layer (or once per forward for delayed
+scaling) when ``config.fp8`` is set; the Megatron-LM plug-in (``plugin.py``) installs it where
+Megatron looks it up. It honours ``first_last_layers_bf16`` (those layers run in a disabled
+region, as Megatron's TE path runs them in BF16).
 """
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -44,7 +50,7 @@ from ..recipe import (
     Recipe,
 )
 
-__all__ = ["recipe_from_megatron", "fp8_context"]
+__all__ = ["recipe_from_megatron", "fp8_context", "get_fp8_context"]
 
 _FORMATS = {"e4m3": Format.E4M3, "hybrid": Format.HYBRID}
 _UNSUPPORTED_ON = {
@@ -61,9 +67,10 @@ def _name(value: Any) -> str:
     return str(getattr(value, "value", value)).lower()
 
 
-def recipe_from_megatron(config: Any) -> Recipe | None:
+def recipe_from_megatron(config: Any, *, per_layer: bool = False) -> Recipe | None:
     """Our recipe for Megatron's ``fp8`` / ``fp8_recipe`` / ``fp8_*`` fields; None when
-    ``config.fp8`` is unset (FP8 off)."""
+    ``config.fp8`` is unset (FP8 off). ``per_layer``: the caller opens one region per layer
+    (``get_fp8_context``), so ``first_last_layers_bf16`` can be honoured."""
     fp8 = getattr(config, "fp8", None)
     if not fp8:
         return None
@@ -71,6 +78,8 @@ def recipe_from_megatron(config: Any) -> Recipe | None:
     if fmt is None:
         raise ValueError(f"config.fp8={fp8!r} is not a Megatron FP8 format; use 'e4m3' or 'hybrid' (or None: off)")
     for key, fix in _UNSUPPORTED_ON.items():
+        if per_layer and key == "first_last_layers_bf16":
+            continue
         if getattr(config, key, False):
             raise ValueError(f"config.{key}=True is not supported with megatron_fp8 layers: {fix}")
     if not getattr(config, "fp8_wgrad", True):
@@ -121,3 +130,44 @@ def fp8_context(
     if fp8_group is None and on:
         fp8_group = _megatron_amax_group(config)
     return fp8_autocast(enabled=on, fp8_recipe=recipe, fp8_group=fp8_group)
+
+
+# the config fields that decide get_fp8_context's recipe (cached per their values: Megatron asks
+# once per layer and forward, and the layers compare recipes by value when a new one arrives)
+_RECIPE_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param",
+                  "fp8_dot_product_attention", "fp8_multi_head_attention", "first_last_layers_bf16", "fp8_wgrad")
+_recipes: dict[tuple[Any, ...], Recipe | None] = {}
+
+
+def _cached_recipe(config: Any) -> Recipe | None:
+    key = tuple(_name(getattr(config, f, None)) for f in _RECIPE_FIELDS)
+    if key not in _recipes:
+        _recipes[key] = recipe_from_megatron(config, per_layer=True)
+    return _recipes[key]
+
+
+def _bf16_layer(config: Any, layer_no: int) -> bool:
+    """Megatron's rule for the first/last layers kept in BF16 (``first_last_layers_bf16``)."""
+    if layer_no < 0 or not getattr(config, "first_last_layers_bf16", False):
+        return False
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    return bool(is_first_last_bf16_layer(config, layer_no))
+
+
+def get_fp8_context(config: Any, layer_no: int = -1, is_init: bool = False) -> AbstractContextManager[Any]:
+    """megatron-core's ``fp8_utils.get_fp8_context`` for megatron_fp8's layers: our FP8 region
+    with the recipe of ``config``'s ``fp8*`` fields and Megatron's amax-reduction group, a
+    disabled region for a layer that ``first_last_layers_bf16`` keeps in BF16, nothing with
+    ``config.fp8`` unset. ``is_init`` (Megatron's ``fp8_model_init`` for FP8 parameters) has no
+    equivalent: ``fp8_param`` is refused."""
+    if is_init:
+        if getattr(config, "fp8_param", False):
+            recipe_from_megatron(config)  # raises, naming the field and the fix
+        return contextlib.nullcontext()
+    recipe = _cached_recipe(config)
+    if recipe is None:
+        return contextlib.nullcontext()
+    if _bf16_layer(config, layer_no):
+        return fp8_autocast(enabled=False, fp8_recipe=recipe)
+    return fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=_megatron_amax_group(config))

@@ -11,8 +11,8 @@ Megatron's. What is replaced:
   ``mlp.shared_experts.linear_fc1``, ``mlp.experts.local_experts.{i}.linear_fc1``;
 * ``RowParallelLinear``: ``self_attention.linear_proj``, ``mlp.linear_fc2`` and the shared /
   sequential experts' fc2;
-* ``mlp.experts`` with ``moe_grouped_gemm=True``: megatron-core's ``TEGroupedMLP`` container (it
-  needs no Transformer Engine without ``config.fp8``) holding our ``ColumnParallelGroupedLinear``
+* ``mlp.experts`` with ``moe_grouped_gemm=True``: ``experts.GroupedMLP`` (megatron-core's
+  ``TEGroupedMLP`` container, made to run with ``config.fp8`` and no TE) holding our ``ColumnParallelGroupedLinear``
   (fc1) / ``RowParallelGroupedLinear`` (fc2), in place of the legacy ``GroupedMLP``
   (megatron-core 0.16) or of the ``SequentialMLP`` that 0.17+'s local spec builds whatever
   ``moe_grouped_gemm`` says. Its checkpoint keys are ``TEGroupedMLP``'s (``linear_fc1.weight{i}``
@@ -91,18 +91,15 @@ def _replacements() -> dict[type, type]:
 
 
 def _grouped_experts() -> tuple[type, Any]:
-    """megatron-core's ``TEGroupedMLP`` container (it needs no TE without ``config.fp8``) and its
-    submodules holding our grouped linears, in the class this megatron-core's ``TEGroupedMLP``
-    takes (0.17+: ``GroupedMLPSubmodules``; 0.16: ``MLPSubmodules``)."""
+    """Our ``GroupedMLP`` container (megatron-core's ``TEGroupedMLP``, working with
+    ``config.fp8`` and no TE: ``experts.py``) and its submodules holding our grouped linears, in
+    the class this megatron-core's ``TEGroupedMLP`` takes (0.17+: ``GroupedMLPSubmodules``; 0.16:
+    ``MLPSubmodules``)."""
     from ..parallel.grouped import ColumnParallelGroupedLinear, RowParallelGroupedLinear
+    from .experts import GroupedMLP
 
+    container = GroupedMLP
     experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8 grouped experts")
-    container = getattr(experts, "TEGroupedMLP", None)
-    if container is None:
-        raise ValueError(
-            "moe_grouped_gemm=True: this megatron-core has no TEGroupedMLP to hold megatron_fp8's grouped "
-            "linears; build the spec with moe_grouped_gemm=False (SequentialMLP experts use our linears)"
-        )
     submodules = getattr(experts, "GroupedMLPSubmodules", None)
     if submodules is None:
         submodules = import_megatron("megatron.core.transformer.mlp", "megatron_fp8 grouped experts").MLPSubmodules

@@ -3,6 +3,12 @@
 A layer builds its quantizers when it first runs under a recipe and keeps them while the recipe
 stays the same (delayed scaling's history lives in them). ``get_extra_state`` /
 ``set_extra_state`` carry that state through ``state_dict`` so a checkpoint restores it.
+
+``is_first_microbatch`` is also an attribute, as on Megatron's Transformer Engine layers:
+Megatron's ``set_is_first_microbatch()`` sets it to True on every module that has it at the
+first micro-batch of a step; a forward that gets no ``is_first_microbatch`` argument uses the
+attribute and then sets it to False, so the next micro-batches reuse the FP8 weights. Left at
+None (the default, and what plain PyTorch loops see) the weights are cast on every forward.
 """
 
 from __future__ import annotations
@@ -36,11 +42,30 @@ class FP8Module(nn.Module):
         self._quantizers: dict[str, LinearQuantizers] = {}
         self._w_cache: dict[str, QuantizedTensor] = {}
         self._pending_state: dict[str, Any] | None = None
+        self.is_first_microbatch: bool | None = None  # Megatron's attribute (module docstring)
+
+    def microbatch_flag(self, is_first_microbatch: bool | None) -> bool | None:
+        """The forward's ``is_first_microbatch``: the argument where given, else the attribute,
+        which then turns False (a step's later micro-batches reuse the cached FP8 weights)."""
+        if is_first_microbatch is not None:
+            return is_first_microbatch
+        flag = self.is_first_microbatch
+        if flag:
+            self.is_first_microbatch = False
+        return flag
+
+    def no_fp8_region(self) -> None:
+        """Called when the layer runs outside every FP8 region (FP8 off); subclasses that know
+        FP8 was asked for (Megatron's ``config.fp8``) raise here instead of running silently in
+        high precision."""
 
     def fp8_quantizers(self, key: str = "weight") -> LinearQuantizers | None:
         """Quantizers of weight ``key`` under the active region's recipe (None with FP8 off)."""
         state = current_fp8_state()
-        if state is None or not state.enabled:
+        if state is None:
+            self.no_fp8_region()
+            return None
+        if not state.enabled:
             return None
         if state.recipe is not self._fp8_recipe and state.recipe != self._fp8_recipe:
             if any(s for q in self._quantizers.values() for s in (q.input.state_dict(),)):

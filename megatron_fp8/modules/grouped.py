@@ -95,6 +95,7 @@ class ExpertParams:
     ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | Segments | None]:
         """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
         qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]  # type: ignore[attr-defined]
+        is_first_microbatch = self.microbatch_flag(is_first_microbatch)  # type: ignore[attr-defined]
         if qs[0] is None:
             return None, None
         for q in qs:

@@ -129,6 +129,7 @@ class ParallelLinearBase(FP8Module):
             # not an attribute: nn.Module would register the caller's tensor as our parameter
             self.__dict__["_external_weight"], key = weight, "_external_weight"
         q = self.fp8_quantizers(key)
+        is_first_microbatch = self.microbatch_flag(is_first_microbatch)
         if q is None:
             return None, None
         self._set_amax_groups(q)
@@ -138,6 +139,20 @@ class ParallelLinearBase(FP8Module):
             return q, self.fp8_weight(key, q, is_first_microbatch)
         with torch.no_grad():
             return q, mark_param_derived(q.weight.quantize(weight, rowwise=True, columnwise=True))
+
+    def no_fp8_region(self) -> None:
+        """``config.fp8`` set and no FP8 region open: Megatron asked for FP8 and would get BF16
+        GEMMs without a word, so refuse (a disabled region, ``fp8_autocast(enabled=False)``, is
+        an explicit choice and passes)."""
+        fp8 = getattr(self.config, "fp8", None)
+        if fp8:
+            raise RuntimeError(
+                f"{self._owner}: config.fp8={fp8!r}, but no megatron_fp8 FP8 region is open, so this "
+                f"layer would run in high precision. Megatron's get_fp8_context opens Transformer "
+                f"Engine's region (or none without TE), not ours: launch Megatron-LM with `--spec "
+                f"megatron_fp8.megatron.plugin layer_spec` (or call megatron_fp8.megatron.plugin.install()"
+                f" before building the model), or wrap the forward in megatron_fp8.megatron.fp8_context"
+                f"(config); to run in BF16 on purpose, unset config.fp8")
 
     def _set_amax_groups(self, q: LinearQuantizers) -> None:
         """Per-tensor recipes reduce amaxes over the TP group, so every rank casts its shard with

@@ -1,0 +1,144 @@
+"""What the Megatron-LM plug-in changes in megatron-core at run time, and why.
+
+Megatron-LM opens its FP8 region, and its output-discarding recompute keeps FP8 state, through
+Transformer Engine. With our layers (and TE absent, or present but not ours) that would train in
+BF16 without a word, or fail. ``patch_megatron`` replaces, in megatron-core's modules already
+imported and in the modules later imports read from:
+
+================================  ==============================================================
+megatron-core name                replaced by, and why
+================================  ==============================================================
+``get_fp8_context``               ``fp8.get_fp8_context``: our region from ``config.fp8*``
+                                  (Megatron's returns TE's region, or ``nullcontext()`` w/o TE)
+``tensor_parallel.``              ``MegatronCheckpointWithoutOutput``: our output-discarding
+``CheckpointWithoutOutput``       recompute (resumes our FP8 region; Megatron's needs TE's
+                                  ``FP8GlobalStateManager`` even with FP8 off)
+``is_te_min_version``             False when TE is not installed (Megatron's compares ``None``
+                                  with a version and raises ``TypeError``, e.g. building shared
+                                  experts with ``config.fp8`` set)
+``TransformerConfig.              with TE absent and ``config.fp8`` set: ``recipe_from_megatron``
+__post_init__``                   checks the FP8 fields, then megatron-core's own checks run with
+                                  ``fp8`` hidden: its FP8 checks are about TE (MoE FP8 needs TE
+                                  >= 1.7, layernorm / moe_act recompute TE >= 2.6, delayed
+                                  scaling refuses that recompute, which ours runs exactly)
+``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
+_get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
+                                  ``--spec`` objects through uncalled)
+================================  ==============================================================
+
+Each replacement is idempotent and leaves every other input to Megatron's own code.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..autocast import is_fp8_enabled
+from ..recompute import CheckpointWithoutOutput
+from .fp8 import get_fp8_context, recipe_from_megatron
+from .specs import import_megatron
+
+__all__ = ["patch_megatron", "MegatronCheckpointWithoutOutput", "have_te"]
+
+
+@functools.cache
+def have_te() -> bool:
+    """Whether Transformer Engine is importable (looked up once, not imported)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class MegatronCheckpointWithoutOutput(CheckpointWithoutOutput):
+    """megatron-core's ``CheckpointWithoutOutput(fp8=...)`` on megatron_fp8's recompute.
+
+    Same calls (``checkpoint(fn, *args)``, ``discard_output_and_register_recompute(t)``). The
+    consumers' ``save_original_input`` is checked only when FP8 is on: megatron-core sets it on
+    the consumers itself whenever ``config.fp8`` is set (``set_save_original_input``), and with
+    FP8 off a linear saves its high-precision input anyway."""
+
+    def __init__(self, fp8: Any = None, name: str | None = None) -> None:
+        super().__init__(name)
+        self._fp8_on = False
+
+    def checkpoint(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._fp8_on = is_fp8_enabled()
+        return super().checkpoint(fn, *args)
+
+    def _check_consumers(self) -> None:
+        if self._fp8_on:
+            super()._check_consumers()
+
+
+def _replace_everywhere(name: str, old: Any, new: Any) -> None:
+    """``new`` for ``name`` in every loaded ``megatron`` module where it is ``old``."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is not None and (mod_name == "megatron" or mod_name.startswith("megatron.")) \
+                and getattr(mod, name, None) is old:
+            setattr(mod, name, new)
+
+
+def _te_safe(is_te_min_version: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(is_te_min_version)
+    def checked(version: str, check_equality: bool = True) -> bool:
+        return have_te() and is_te_min_version(version, check_equality)
+
+    checked._megatron_fp8 = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _post_init_without_te(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(post_init)
+    def checked(self: Any) -> None:
+        if not getattr(self, "fp8", None) or have_te():
+            post_init(self)
+            return
+        recipe_from_megatron(self, per_layer=True)  # our checks of the FP8 fields, first
+        fp8 = self.fp8
+        self.fp8 = None  # megatron-core's FP8 checks are about TE's layers and versions
+        try:
+            post_init(self)
+        finally:
+            self.fp8 = fp8
+
+    checked._megatron_fp8 = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _block_submodules(original: Callable[..., Any], resolve: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def resolved(config: Any, spec: Any, *args: Any, **kwargs: Any) -> Any:
+        if spec is resolve:
+            vp_stage = kwargs.get("vp_stage", args[0] if args else None)
+            spec = resolve(config, vp_stage=vp_stage)
+        return original(config, spec, *args, **kwargs)
+
+    resolved._megatron_fp8 = True  # type: ignore[attr-defined]
+    return resolved
+
+
+def patch_megatron(layer_spec: Callable[..., Any]) -> None:
+    """Make the replacements of the module docstring (idempotent). ``layer_spec``: the plug-in's
+    spec function, resolved by the transformer block when passed through uncalled."""
+    fp8_utils = import_megatron("megatron.core.fp8_utils", "megatron_fp8.megatron.plugin")
+    if fp8_utils.get_fp8_context is not get_fp8_context:
+        _replace_everywhere("get_fp8_context", fp8_utils.get_fp8_context, get_fp8_context)
+
+    tp = import_megatron("megatron.core.tensor_parallel", "megatron_fp8.megatron.plugin")
+    if tp.CheckpointWithoutOutput is not MegatronCheckpointWithoutOutput:
+        _replace_everywhere("CheckpointWithoutOutput", tp.CheckpointWithoutOutput, MegatronCheckpointWithoutOutput)
+
+    utils = import_megatron("megatron.core.utils", "megatron_fp8.megatron.plugin")
+    if not getattr(utils.is_te_min_version, "_megatron_fp8", False):
+        _replace_everywhere("is_te_min_version", utils.is_te_min_version, _te_safe(utils.is_te_min_version))
+
+    config_mod = import_megatron("megatron.core.transformer.transformer_config", "megatron_fp8.megatron.plugin")
+    cls = config_mod.TransformerConfig
+    if not getattr(cls.__post_init__, "_megatron_fp8", False):
+        cls.__post_init__ = _post_init_without_te(cls.__post_init__)
+
+    block = import_megatron("megatron.core.transformer.transformer_block", "megatron_fp8.megatron.plugin")
+    if not getattr(block._get_block_submodules, "_megatron_fp8", False):
+        block._get_block_submodules = _block_submodules(block._get_block_submodules, layer_spec)

@@ -1,0 +1,138 @@
+"""The grouped-experts container of our Megatron specs: megatron-core's ``TEGroupedMLP`` holding
+megatron_fp8's grouped linears, made to work with ``config.fp8`` set and Transformer Engine absent.
+
+megatron-core's ``TEGroupedMLP`` asserts TE when ``config.fp8`` is set, because it pads each
+expert's tokens to the FP8 GEMM alignment with TE's ``Fp8Padding``. ``GroupedMLP`` builds it with
+the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding``, which pad each
+expert's rows to what the active recipe's GEMMs need (16 tokens for per-tensor scaling, 128 for
+1x128 block scaling, 32 for MXFP8) with zero rows that never leave the experts. The padding is
+Megatron's own contract (its forward calls the two objects); the zero rows add nothing to any
+output or gradient. As Megatron does with TE, ``moe_act`` recompute turns ``save_original_input``
+on for ``linear_fc2`` (the activation's consumer).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..autocast import current_fp8_state
+from ..recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
+from .specs import import_megatron
+
+__all__ = ["ExpertPadding", "ExpertUnpadding", "alignment"]  # and GroupedMLP (module __getattr__)
+
+
+def alignment(recipe: Recipe | None) -> int:
+    """Rows per expert that the recipe's FP8 GEMMs need to run natively (1: no FP8)."""
+    if recipe is None:
+        return 1
+    if isinstance(recipe, Float8BlockScaling):
+        return 128
+    if isinstance(recipe, MXFP8BlockScaling):
+        return 32
+    return 16
+
+
+def _active_alignment() -> int:
+    state = current_fp8_state()
+    return alignment(state.recipe if state is not None and state.enabled else None)
+
+
+def _row_map(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """For each real row (experts back to back), its row in the padded layout; the padded splits."""
+    padded = [-(-m // align) * align for m in splits]
+    shift, real_start, pad_start = [], 0, 0
+    for m, p in zip(splits, padded):
+        shift.append(pad_start - real_start)
+        real_start, pad_start = real_start + m, pad_start + p
+    counts = torch.tensor(list(splits), device=device)
+    shifts = torch.tensor(shift, device=device)
+    rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
+    return rows, padded
+
+
+class ExpertPadding:
+    """``(x, tokens_per_expert) -> (x padded per expert, padded tokens_per_expert)``, the
+    interface of TE's ``Fp8Padding`` that megatron-core's grouped experts call."""
+
+    def __call__(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        splits = [int(m) for m in tokens_per_expert]
+        align = _active_alignment()
+        if align == 1 or all(m % align == 0 for m in splits):
+            return x, splits
+        rows, padded = _row_map(splits, align, x.device)
+        out = x.new_zeros((sum(padded), *x.shape[1:]))
+        return out.index_copy(0, rows, x), padded
+
+
+class ExpertUnpadding:
+    """``(y padded per expert, actual tokens_per_expert) -> y`` of the real rows (TE's
+    ``Fp8Unpadding`` interface)."""
+
+    def __call__(self, y: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        splits = [int(m) for m in tokens_per_expert]
+        if y.shape[0] == sum(splits):
+            return y
+        rows, padded = _row_map(splits, _active_alignment(), y.device)
+        if sum(padded) != y.shape[0]:
+            raise RuntimeError(f"megatron_fp8 GroupedMLP: the experts' output has {y.shape[0]} rows, but the "
+                               f"splits {splits} pad to {sum(padded)}; the FP8 recipe changed inside the layer")
+        return y.index_select(0, rows)
+
+
+def _container() -> type:
+    experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8 grouped experts")
+    container = getattr(experts, "TEGroupedMLP", None)
+    if container is None:
+        raise ValueError(
+            "moe_grouped_gemm=True: this megatron-core has no TEGroupedMLP to hold megatron_fp8's grouped "
+            "linears; build the spec with moe_grouped_gemm=False (SequentialMLP experts use our linears)"
+        )
+    return container
+
+
+def _build_class() -> type:
+    base = _container()
+
+    class GroupedMLP(base):  # type: ignore[misc, valid-type]
+        """megatron-core's ``TEGroupedMLP`` with megatron_fp8's grouped linears and padding
+        (module docstring); same parameters, checkpoint keys and forward."""
+
+        def __init__(self, num_local_experts: int, config: Any, *args: Any, **kwargs: Any) -> None:
+            quantized = bool(getattr(config, "fp8", None))
+            hidden = config
+            if quantized:  # TEGroupedMLP asserts TE when it sees config.fp8
+                hidden = copy.copy(config)
+                hidden.fp8 = None
+            super().__init__(num_local_experts, hidden, *args, **kwargs)
+            if not quantized:
+                return
+            self.config = config
+            for linear in (self.linear_fc1, self.linear_fc2):
+                linear.config = config
+            self.quantization_padding = ExpertPadding()
+            self.quantization_unpadding = ExpertUnpadding()
+            if getattr(self, "activation_recompute", False):
+                self.linear_fc2.save_original_input = True  # what megatron-core does with TE
+
+    GroupedMLP.__qualname__ = GroupedMLP.__name__ = "GroupedMLP"
+    GroupedMLP.__module__ = __name__
+    return GroupedMLP
+
+
+_cls: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``GroupedMLP`` is built on first use: it subclasses megatron-core's class, and this
+    package imports megatron-core only when a Megatron entry point is used."""
+    global _cls
+    if name == "GroupedMLP":
+        if _cls is None:
+            _cls = _build_class()
+        return _cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

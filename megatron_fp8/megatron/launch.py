@@ -1,0 +1,34 @@
+"""``python -m megatron_fp8.megatron.launch SCRIPT [ARGS...]``: run a Megatron-LM script (e.g.
+``pretrain_gpt.py``) as ``__main__`` with the plug-in installed first.
+
+Only needed where megatron-core rejects a configuration before Megatron-LM imports ``--spec``:
+MoE with ``--fp8-format`` and no Transformer Engine (its ``TransformerConfig`` asks for TE >= 1.7
+there; ``compat.py`` says how the plug-in validates it instead). Under torchrun:
+``torchrun --nproc_per_node 8 -m megatron_fp8.megatron.launch pretrain_gpt.py --spec
+megatron_fp8.megatron.plugin layer_spec ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or not args[0].endswith(".py"):
+        raise SystemExit("usage: python -m megatron_fp8.megatron.launch SCRIPT.py [ARGS...] "
+                         "(e.g. pretrain_gpt.py from a Megatron-LM checkout)")
+    script = os.path.abspath(args[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_fp8.megatron.launch: {args[0]} does not exist")
+    from . import plugin  # noqa: F401  (installs the plug-in)
+
+    sys.argv = [script, *args[1:]]
+    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` would: its folder first
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

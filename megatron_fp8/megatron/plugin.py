@@ -1,0 +1,193 @@
+"""The Megatron-LM plug-in: ``--spec megatron_fp8.megatron.plugin layer_spec``.
+
+Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing this one calls
+``install()``, and ``layer_spec`` is the spec. Nothing in Megatron-LM is edited:
+
+* ``layer_spec(config, vp_stage=None)``: Megatron-LM's builder calls it with the model config (a
+  ``TransformerConfig``, or main's ``GPTModelConfig`` holding one as ``.transformer``) and gets
+  megatron-core's local spec with our linears, built from ``num_moe_experts``,
+  ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ``qk_l2_norm`` (MoE: the decoder
+  block spec, so ``moe_layer_freq`` and pipeline stages are Megatron's). The older builder
+  (``gpt_builders.py``) passes the function through uncalled; the transformer block then calls
+  it with its config (``compat.py``).
+* ``--fp8-format`` / ``--fp8-recipe`` / ``--fp8-margin`` / ``--fp8-amax-history-len`` /
+  ``--fp8-amax-compute-algo`` open our FP8 region wherever Megatron opens its own, with TE or
+  without; ``--recompute-granularity selective --recompute-modules layernorm moe_act`` run on our
+  output-discarding recompute (``compat.py`` lists every replacement).
+* ``MEGATRON_FP8_CONFIG=flags.yaml``: the ``layers:`` rules of a megatron_fp8 YAML config
+  (``save_original_input`` per module-name glob, names as in a ``GPTModel``:
+  ``decoder.layers.0.self_attention.linear_proj``), applied at the model's first forward.
+  Rank 0 prints, at that first forward, the FP8 recipe, every module whose
+  ``save_original_input`` is on (from the YAML, or set by Megatron for its recompute), and the
+  recompute modules.
+
+MoE with ``--fp8-format`` and no Transformer Engine: megatron-core's ``TransformerConfig`` refuses
+that combination before Megatron-LM imports the spec, so start the script through
+``python -m megatron_fp8.megatron.launch`` (``launch.py``), which installs the plug-in first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from ..config import FP8Config, apply_layer_flags, load_config
+from ..modules.base import FP8Module
+from .compat import patch_megatron
+from .fp8 import recipe_from_megatron
+from .specs import get_gpt_layer_spec, import_megatron, to_fp8_spec
+
+__all__ = ["layer_spec", "install", "ENV_CONFIG"]
+
+ENV_CONFIG = "MEGATRON_FP8_CONFIG"
+
+
+def _transformer_config(config: Any) -> Any:
+    """The ``TransformerConfig`` in what Megatron-LM passes (main's ``GPTModelConfig`` holds it
+    as ``.transformer``)."""
+    tcfg = getattr(config, "transformer", config)
+    if not hasattr(tcfg, "num_layers") or not hasattr(tcfg, "hidden_size"):
+        raise TypeError(
+            f"megatron_fp8.megatron.plugin.layer_spec(config): expected Megatron's model config (a "
+            f"TransformerConfig, or a GPTModelConfig holding one), got {type(config).__name__}; Megatron-LM "
+            f"calls it with its config when run with `--spec megatron_fp8.megatron.plugin layer_spec`")
+    return tcfg
+
+
+def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
+    """The transformer-layer (dense) or decoder-block (MoE) spec for ``config``, with
+    megatron_fp8's linears (see the module docstring)."""
+    if config is None:
+        raise TypeError("megatron_fp8.megatron.plugin.layer_spec needs Megatron's model config: Megatron-LM "
+                        "calls it as layer_spec(config) or layer_spec(config, vp_stage=...)")
+    install()
+    cfg = _transformer_config(config)
+    if getattr(cfg, "num_moe_experts", None):
+        specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
+        if getattr(cfg, "multi_latent_attention", False):
+            get_gpt_layer_spec(multi_latent_attention=True)  # raises, with the reason
+        block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                                 normalization=getattr(cfg, "normalization", None),
+                                                 qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
+        return to_fp8_spec(block, grouped_experts=bool(getattr(cfg, "moe_grouped_gemm", False)))
+    return get_gpt_layer_spec(
+        qk_layernorm=bool(getattr(cfg, "qk_layernorm", False)),
+        multi_latent_attention=bool(getattr(cfg, "multi_latent_attention", False)),
+        normalization=getattr(cfg, "normalization", None),
+        qk_l2_norm=bool(getattr(cfg, "qk_l2_norm", False)),
+    )
+
+
+# ---- per-layer flags from YAML, applied at the first forward ----
+class _FirstForward:
+    """A global forward pre-hook that configures each model (the outermost module called) at
+    its first forward: applies the YAML rules and prints the start-up summary. It removes itself
+    once a model is configured and has one pipeline chunk; ``install()`` re-arms it."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.rules: FP8Config | None = None
+
+    def arm(self) -> None:
+        if self.handle is None:
+            path = os.environ.get(ENV_CONFIG)
+            self.rules = _load_rules(path) if path else None
+            self.handle = nn.modules.module.register_module_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if module in self.done:
+            return
+        root = _unwrapped(module)
+        ours = [m for m in root.modules() if isinstance(m, FP8Module)]
+        if not ours:
+            return
+        self.done.add(module)
+        self.done.add(root)
+        plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
+        _print0(_summary(root, plan, getattr(ours[0], "config", None)))
+        if _pipeline_chunks() == 1 and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+_hook = _FirstForward()
+
+
+def _load_rules(path: str) -> FP8Config:
+    cfg = load_config(path)
+    if "fp8" in cfg.model_fields_set:
+        raise ValueError(
+            f"{ENV_CONFIG}={path}: under Megatron-LM the recipe comes from --fp8-format / --fp8-recipe "
+            f"(and --fp8-margin, --fp8-amax-*); remove the file's fp8: section and keep its layers: rules")
+    return cfg
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside Megatron's wrappers (DDP, Float16Module: each keeps it as ``.module``),
+    so module names read ``decoder.layers.0...`` as in a bare ``GPTModel``."""
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module
+
+
+def _pipeline_chunks() -> int:
+    try:
+        from megatron.core import parallel_state as ps
+
+        vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    except (ImportError, AttributeError, AssertionError, RuntimeError):
+        return 1
+    return int(vp or 1)
+
+
+def _compress(names: Iterable[str]) -> list[str]:
+    """``decoder.layers.{0,1,2}.x`` for names that differ only in their layer number."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*?layers\.)(\d+)(\..*)$", n)
+        key, num = (f"{m.group(1)}{{}}{m.group(3)}", m.group(2)) if m else (n, "")
+        groups.setdefault(key, []).append(num)
+    out = []
+    for key, nums in groups.items():
+        out.append(key.format("{" + ",".join(nums) + "}" if len(nums) > 1 else nums[0]) if "{}" in key else key)
+    return out
+
+
+def _summary(root: nn.Module, plan: dict[str, bool], config: Any) -> str:
+    recipe = recipe_from_megatron(config, per_layer=True) if config is not None else None
+    flagged = [n for n, m in root.named_modules()
+               if isinstance(m, FP8Module) and getattr(m, "save_original_input", False)]
+    recompute = []
+    if config is not None and getattr(config, "recompute_granularity", None) == "selective":
+        recompute = [m for m in getattr(config, "recompute_modules", None) or [] if m in ("layernorm", "moe_act")]
+    lines = [
+        f"megatron_fp8: FP8 {recipe.describe() if recipe is not None else 'off (config.fp8 unset)'}",
+        f"megatron_fp8: {ENV_CONFIG} rules set {len(plan)} modules" if plan else
+        f"megatron_fp8: no per-layer rules ({ENV_CONFIG} unset)",
+        "megatron_fp8: save_original_input on: " + (", ".join(_compress(flagged)) or "none"),
+        "megatron_fp8: output-discarding recompute: " + (", ".join(recompute) or "none"),
+    ]
+    return "\n".join(lines)
+
+
+def _print0(text: str) -> None:
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def install() -> None:
+    """Install the plug-in (idempotent): megatron-core's FP8 region, recompute and TE checks
+    (``compat.py``), and the first-forward hook for the YAML flags (re-armed if a model
+    configured earlier removed it)."""
+    patch_megatron(layer_spec)
+    _hook.arm()
+
+
+install()  # Megatron-LM's --spec only imports this module

@@ -1,0 +1,269 @@
+"""torchrun worker: megatron-core ``GPTModel``s built through the Megatron-LM plug-in exactly as
+Megatron-LM builds them, trained with ``config.fp8`` set and no FP8 region opened by this file
+(gloo, CPU, 2 ranks; the dense model at TP=2, the MoE model at TP=1 on each rank).
+
+Categories of the JSON report:
+
+* ``build``: main's builder path (``layer_spec(model_config, vp_stage=...)`` on a
+  ``GPTModelConfig``-like object) and the older path (the function passed through uncalled as
+  ``transformer_layer_spec``) build the same model: same parameters, same loss bitwise.
+* ``gemms``: per recipe (Megatron's names and formats), one forward+backward of the model runs
+  three FP8 GEMMs per decoder linear (``gemm.record_gemms()``), none of them high precision;
+  the loss is within ``LOSS_RTOL`` of the FP8-off loss.
+* ``yaml``: ``MEGATRON_FP8_CONFIG``'s rule (``*.self_attention.linear_proj``) is applied at the
+  first forward, and rank 0's start-up summary names those modules.
+* ``recompute``: ``recompute_granularity="selective"`` with ``recompute_modules=["layernorm"]``
+  (dense) / ``["layernorm", "moe_act"]`` (MoE), per recipe: loss and the last layer's gradients
+  bitwise equal to recompute off, every other gradient within ``RECOMPUTE_RTOL``. Not all
+  bitwise, because of Megatron's layer, not the recompute: a layer's input feeds the norm
+  (whose torch decomposition uses it twice) and the residual, and with the norm checkpointed the
+  three gradient terms are summed in another order; megatron-core's own
+  ``CheckpointWithoutOutput`` does the same, and ours equals it bitwise (loss and every
+  gradient), FP8 off, where Megatron's runs without TE.
+* ``errors``: ``layer_spec()`` without a config, or with something that is not Megatron's
+  config, and a ``MEGATRON_FP8_CONFIG`` file with an ``fp8:`` section raise, naming the fix.
+* ``moe``: an MoE GPT (4 experts, top-2, shared expert, grouped GEMM, real router: uneven
+  splits) under each recipe: FP8 GEMMs ran, splits were padded to the recipe's alignment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import os
+import sys
+import tempfile
+import warnings
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from common import Checker, init_gloo, shutdown
+from mcore_worker import _cpu_shims
+from spec_worker import _cpu_rng_shim
+
+warnings.filterwarnings("ignore")
+_rules = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+_rules.write('layers:\n  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n')
+_rules.close()
+os.environ["MEGATRON_FP8_CONFIG"] = _rules.name
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from megatron_fp8 import gemm  # noqa: E402
+from megatron_fp8.megatron import plugin  # noqa: E402
+from megatron_fp8.modules.base import FP8Module  # noqa: E402
+
+LOSS_RTOL = 2e-3
+RECOMPUTE_RTOL = 1e-5  # max|g - g_ref| / max|g_ref|: float sums reordered, see the module docstring
+VOCAB, SEQ, BATCH = 512, 64, 2
+RECIPES = (("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "hybrid"), ("mxfp8", "e4m3"))
+
+
+def _config(tp: int, fp8: tuple[str, str] | None, recompute: list[str] | None = None, moe: bool = False
+            ) -> TransformerConfig:
+    kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+              tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+              hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False,
+              masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+              normalization="RMSNorm")
+    if fp8 is not None:
+        kw.update(fp8=fp8[1], fp8_recipe=fp8[0], fp8_amax_history_len=8, fp8_amax_compute_algo="max")
+    if recompute:
+        kw.update(recompute_granularity="selective", recompute_modules=recompute)
+    if moe:
+        kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
+                  moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=128,
+                  moe_router_load_balancing_type="none")
+    return TransformerConfig(**kw)
+
+
+def _main_builder_spec(model_config: SimpleNamespace, vp_stage: int | None) -> object:
+    """Megatron-LM main's ``GPTModelBuilder.build_model`` resolution of ``--spec``, verbatim in logic."""
+    spec = plugin.layer_spec
+    if not isinstance(spec, ModuleSpec) and callable(spec):
+        if "vp_stage" in inspect.signature(spec).parameters:
+            return spec(model_config, vp_stage=vp_stage)
+        return spec(model_config)
+    return spec
+
+
+def _build(cfg: TransformerConfig, older_path: bool = False) -> GPTModel:
+    plugin.install()  # what importing the plug-in did; re-arms the first-forward hook
+    torch.manual_seed(0)
+    spec = plugin.layer_spec if older_path else _main_builder_spec(SimpleNamespace(transformer=cfg), None)
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def _batch() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
+    return tokens, pos, mask, labels
+
+
+def _step(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[gemm.GemmCall], str]:
+    tokens, pos, mask, labels = _batch()
+    model.zero_grad(set_to_none=True)
+    out = io.StringIO()
+    with gemm.record_gemms() as calls, contextlib.redirect_stdout(out):
+        loss = model(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, list(calls), out.getvalue()
+
+
+def _ours(model: GPTModel) -> dict[str, FP8Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FP8Module)}
+
+
+def check_builders(ck: Checker, tp: int) -> None:
+    cfg = _config(tp, ("tensorwise", "hybrid"))
+    main_model, older = _build(cfg), _build(cfg, older_path=True)
+    a = {n: p for n, p in main_model.named_parameters()}
+    b = {n: p for n, p in older.named_parameters()}
+    ck.true("build", sorted(a) == sorted(b), "the two builder paths give different parameters")
+    ck.true("build", len(_ours(main_model)) == 8, f"{len(_ours(main_model))} megatron_fp8 linears, expected 8")
+    with torch.no_grad():
+        for n, p in b.items():
+            p.copy_(a[n])
+    ck.bitwise("build", "loss, main vs older builder path", _step(older)[0], _step(main_model)[0])
+
+
+def check_dense(ck: Checker, tp: int) -> None:
+    ref_loss, *_ = _step(_build(_config(tp, None)))
+    for recipe in RECIPES:
+        name = "/".join(recipe)
+        model = _build(_config(tp, recipe))
+        loss, grads, calls, printed = _step(model)
+        fp8_calls = [c for c in calls if c.name.startswith(("fprop", "dgrad", "wgrad"))]
+        ck.true("gemms", len(calls) == 24 and len(fp8_calls) == 24,
+                f"{name}: {len(calls)} GEMMs recorded ({len(fp8_calls)} fprop/dgrad/wgrad), expected 24")
+        rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        ck.max_rel[f"loss {name}"] = rel
+        ck.true("gemms", rel <= LOSS_RTOL, f"{name}: FP8 loss {loss.item():.6f} vs {ref_loss.item():.6f}")
+        flags = {n: m.save_original_input for n, m in _ours(model).items()}
+        want = {n: n.endswith("self_attention.linear_proj") for n in flags}
+        ck.true("yaml", flags == want, f"{name}: save_original_input after the first forward: {flags}")
+        if dist.get_rank() == 0:
+            ck.true("yaml", "save_original_input on: decoder.layers.{0,1}.self_attention.linear_proj" in printed,
+                    f"{name}: start-up summary was {printed!r}")
+        re_model = _build(_config(tp, recipe, recompute=["layernorm"]))
+        copy_weights(model, re_model)
+        model_again = _build(_config(tp, recipe))
+        copy_weights(model, model_again)
+        compare_recompute(ck, name, _step(model_again), _step(re_model), last="decoder.layers.1.")
+
+
+def copy_weights(src: GPTModel, dst: GPTModel) -> None:
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(src.named_parameters(), dst.named_parameters()):
+            q.copy_(p)
+
+
+def compare_recompute(ck: Checker, name: str, off: tuple, on: tuple, last: str) -> None:
+    """Recompute on vs off: the loss and the last layer's gradients bitwise, the rest close."""
+    (loss0, grads0, _, _), (loss1, grads1, _, _) = off, on
+    ck.bitwise("recompute", f"{name} loss", loss1, loss0)
+    ck.true("recompute", sorted(grads0) == sorted(grads1), f"{name}: different parameters got gradients")
+    for n, g in grads0.items():
+        if n.startswith(last):
+            ck.bitwise("recompute", f"{name} grad {n}", grads1.get(n), g)
+        else:
+            ck.close("recompute", f"{name} grad {n}", grads1.get(n), g, RECOMPUTE_RTOL)
+
+
+def check_megatron_recompute_equal(ck: Checker) -> None:
+    """FP8 off (megatron-core's class then needs no TE): our recompute equals Megatron's own."""
+    import megatron.core.tensor_parallel as mtp
+
+    from megatron_fp8.megatron.compat import MegatronCheckpointWithoutOutput
+
+    class Theirs(mtp.random.CheckpointWithoutOutput):  # megatron-core's, in its TE-free mode
+        def __init__(self, fp8: object = None) -> None:
+            super().__init__(fp8=None)
+            self.fp8 = False
+
+    for moe in (False, True):
+        modules = ["layernorm", "moe_act"] if moe else ["layernorm"]
+        ours, theirs = (_build(_config(1, None, recompute=modules, moe=moe)) for _ in range(2))
+        copy_weights(ours, theirs)
+        results = []
+        for model, cls in ((ours, MegatronCheckpointWithoutOutput), (theirs, Theirs)):
+            mtp.CheckpointWithoutOutput = cls
+            results.append(_step(model))
+        mtp.CheckpointWithoutOutput = MegatronCheckpointWithoutOutput
+        (loss0, grads0, _, _), (loss1, grads1, _, _) = results
+        what = "moe" if moe else "dense"
+        ck.bitwise("recompute", f"{what}: ours vs megatron-core's recompute, loss", loss0, loss1)
+        for n, g in grads1.items():
+            ck.bitwise("recompute", f"{what}: ours vs megatron-core's recompute, grad {n}", grads0.get(n), g)
+
+
+def check_moe(ck: Checker) -> None:
+    for recipe in RECIPES:
+        name = "/".join(recipe)
+        base = _build(_config(1, recipe, moe=True))
+        again = _build(_config(1, recipe, moe=True))
+        re_model = _build(_config(1, recipe, recompute=["layernorm", "moe_act"], moe=True))
+        ck.true("moe", type(base.decoder.layers[0].mlp.experts).__name__ == "GroupedMLP",
+                f"experts are {type(base.decoder.layers[0].mlp.experts).__name__}")
+        copy_weights(base, again)
+        copy_weights(base, re_model)
+        off = _step(again)
+        linears = len(_ours(again))
+        ck.true("moe", len(off[2]) >= 3 * linears, f"{name}: {len(off[2])} FP8 GEMMs for {linears} linears")
+        on = _step(re_model)
+        ck.true("moe", re_model.decoder.layers[0].mlp.experts.linear_fc2.save_original_input,
+                f"{name}: moe_act recompute did not set save_original_input on the experts' fc2")
+        compare_recompute(ck, f"moe {name}", off, on, last="decoder.layers.1.")
+
+
+def check_errors(ck: Checker) -> None:
+    for bad, match in ((None, "needs Megatron's model config"), (object(), "expected Megatron's model config")):
+        try:
+            plugin.layer_spec(bad)
+        except TypeError as e:
+            ck.true("errors", match in str(e), f"layer_spec({bad!r}) raised {e}")
+        else:
+            ck.fail("errors", f"layer_spec({bad!r}) did not raise")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write("fp8:\n  recipe: blockwise\nlayers: []\n")
+        f.flush()
+        try:
+            plugin._load_rules(f.name)
+        except ValueError as e:
+            ck.true("errors", "--fp8-format" in str(e) and "fp8: section" in str(e), f"raised {e}")
+        else:
+            ck.fail("errors", "an fp8: section in MEGATRON_FP8_CONFIG was accepted")
+
+
+def main() -> int:
+    rank, world = init_gloo()
+    _cpu_shims()
+    ck = Checker(rank)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    _cpu_rng_shim()
+    ck.guard("errors", "bad input to the plug-in", check_errors, ck)
+    ck.guard("build", "main vs older builder path", check_builders, ck, world)
+    ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
+    ck.guard("recompute", "our recompute vs megatron-core's", check_megatron_recompute_equal, ck)
+    code = ck.report()
+    parallel_state.destroy_model_parallel()
+    shutdown()
+    os.unlink(_rules.name)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The Megatron-LM plug-in (``megatron_fp8.megatron.plugin``) and what it relies on.
+
+One torchrun launch (2 ranks, gloo, CPU; ``dist_workers/plugin_worker.py``) builds GPT models
+through ``layer_spec`` as Megatron-LM's builders do and trains them with ``config.fp8`` set and
+no FP8 region opened by the test (its docstring lists the checks). In process: a layer of ours
+under ``config.fp8`` with no region raises; ``is_first_microbatch`` as Megatron's attribute; the
+experts' padding; the launcher's usage error. The plug-in itself is only imported in the worker:
+it patches megatron-core process-wide.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_fp8 import fp8_autocast
+from megatron_fp8.parallel import ColumnParallelLinear
+from megatron_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tests.dist_workers.launch import WorkerRun, run_workers
+
+_run: dict[str, WorkerRun] = {}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    pytest.importorskip("megatron.core")
+    if "r" not in _run:
+        _run["r"] = run_workers("plugin_worker.py", 2, timeout=400)
+    return _run["r"].fail_if_broken()
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_both_builder_paths_build_the_same_model(report: dict) -> None:
+    # per rank: names, linear count, loss bitwise
+    assert report["counts"]["build"] == 3 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_fp8_gemms_run_under_config_fp8_without_our_region(report: dict) -> None:
+    # per rank and recipe (4): the GEMM count and the loss check
+    assert report["counts"]["gemms"] == 2 * 4 * report["world"]
+    for name in ("delayed/hybrid", "tensorwise/hybrid", "blockwise/hybrid", "mxfp8/e4m3"):
+        assert report["max_rel"][f"loss {name}"] <= 2e-3
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_yaml_flags_applied_and_logged_at_the_first_forward(report: dict) -> None:
+    # per recipe: the flags on every rank, the printed summary on rank 0
+    assert report["counts"]["yaml"] == 4 * report["world"] + 4
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_layernorm_and_moe_act_recompute_match(report: dict) -> None:
+    assert report["counts"]["recompute"] > 4 * 2 * 20 * report["world"]
+    assert report["max_rel"]["recompute"] <= 1e-5
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_moe_experts_pad_and_run_fp8(report: dict) -> None:
+    # per rank and recipe: container, GEMM count, fc2 flag
+    assert report["counts"]["moe"] == 3 * 4 * report["world"]
+    assert report["counts"]["errors"] == 3 * report["world"]
+    assert report["failures"] == 0
+
+
+# ---- in process ----
+def _config(fp8: str | None) -> SimpleNamespace:
+    return SimpleNamespace(tensor_model_parallel_size=1, sequence_parallel=False, params_dtype=torch.float32,
+                           use_cpu_initialization=True, fp8=fp8)
+
+
+def test_config_fp8_without_a_region_raises_naming_the_fix() -> None:
+    layer = ColumnParallelLinear(64, 64, config=_config("hybrid"), name="decoder.layers.0.mlp.linear_fc1")
+    x = torch.randn(16, 64)
+    with pytest.raises(RuntimeError, match=r"linear_fc1.*config.fp8='hybrid'.*megatron_fp8.megatron.plugin"):
+        layer(x)
+    with fp8_autocast(enabled=False):  # an explicit high-precision region is a choice, not an accident
+        layer(x)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        layer(x)
+    ColumnParallelLinear(64, 64, config=_config(None))(x)  # FP8 not asked for: high precision
+
+
+def test_is_first_microbatch_attribute_follows_megatrons_convention() -> None:
+    layer = ColumnParallelLinear(64, 64, config=_config(None), bias=False)
+    assert layer.is_first_microbatch is None  # Megatron's set_is_first_microbatch finds it by hasattr
+    x = torch.randn(16, 64)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        layer(x)
+        assert layer.is_first_microbatch is None and not layer._w_cache  # no reuse unless asked
+        layer.is_first_microbatch = True  # what Megatron does at a step's first micro-batch
+        y1, _ = layer(x)
+        assert layer.is_first_microbatch is False and layer._w_cache
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        y2, _ = layer(x)  # a later micro-batch of the same step: the cached FP8 weight
+        assert torch.equal(y1, y2)
+        layer.is_first_microbatch = True  # the next step casts the updated weight
+        y3, _ = layer(x)
+        assert not torch.equal(y1, y3)
+        y4, _ = layer(x, is_first_microbatch=True)  # an argument wins over the attribute
+        assert torch.equal(y3, y4) and layer.is_first_microbatch is False
+
+
+@pytest.mark.parametrize("recipe, align", [(None, 1), (Float8CurrentScaling(), 16), (DelayedScaling(), 16),
+                                           (Float8BlockScaling(), 128), (MXFP8BlockScaling(), 32)])
+def test_expert_padding_round_trip(recipe: object, align: int) -> None:
+    pytest.importorskip("megatron.core")
+    from megatron_fp8.megatron.experts import ExpertPadding, ExpertUnpadding, alignment
+
+    assert alignment(recipe) == align  # type: ignore[arg-type]
+    splits = [0, 1, 17, 128, 200]
+    x = torch.randn(sum(splits), 8, requires_grad=True)
+    ctx = fp8_autocast(fp8_recipe=recipe) if recipe is not None else fp8_autocast(enabled=False)
+    with ctx:
+        padded, padded_splits = ExpertPadding()(x, splits)
+        assert padded_splits == [-(-m // align) * align for m in splits]
+        assert padded.shape[0] == sum(padded_splits)
+        start = 0
+        for m, p in zip(splits, padded_splits):  # each expert's rows first, then zero rows
+            seg = padded[start:start + p]
+            assert torch.equal(seg[:m], x[sum(splits[:splits.index(m)]):][:m]) and not seg[m:].any()
+            start += p
+        back = ExpertUnpadding()(padded, splits)
+    assert torch.equal(back, x)
+    back.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_launcher_needs_a_script() -> None:
+    from megatron_fp8.megatron.launch import main
+
+    with pytest.raises(SystemExit, match="usage"):
+        main([])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["no_such_pretrain_gpt.py"])
