@@ -59,7 +59,12 @@ class MegatronCheckpointWithoutOutput(CheckpointWithoutOutput):
     the consumers itself whenever ``config.fp8`` is set (``set_save_original_input``), and with
     FP8 off a linear saves its high-precision input anyway."""
 
-    def __init__(self, fp8: Any = None, name: str | None = None) -> None:
+    def __init__(self, fp8: Any = None, ckpt_manager: Any = None, retain_input_tensors: bool = False,
+                 name: str | None = None) -> None:
+        # retain_input_tensors (megatron-core 0.20): ours never frees the inputs, only the outputs
+        if ckpt_manager is not None:
+            raise ValueError("megatron_fp8: megatron-core's CheckpointWithoutOutputManager (hyper-connection "
+                             "recompute) is not supported with megatron_fp8's recompute; turn that recompute off")
         super().__init__(name)
         self._fp8_on = False
 

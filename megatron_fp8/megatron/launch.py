@@ -6,19 +6,43 @@ MoE with ``--fp8-format`` and no Transformer Engine (its ``TransformerConfig`` a
 there; ``compat.py`` says how the plug-in validates it instead). Under torchrun:
 ``torchrun --nproc_per_node 8 -m megatron_fp8.megatron.launch pretrain_gpt.py --spec
 megatron_fp8.megatron.plugin layer_spec ...``.
+
+``--count-gemms`` (before SCRIPT): at exit, each rank prints how many FP8 GEMMs ran and on which
+backend (native cuBLAS, our Triton kernels, emulated): proof that a run was FP8 end to end.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import runpy
 import sys
 
 
+def _count_gemms() -> None:
+    """Record every FP8 GEMM of the run; print the counts per backend at exit."""
+    from .. import gemm
+
+    calls = gemm.record_gemms().__enter__()  # open for the whole process
+
+    def report() -> None:
+        kinds = collections.Counter(
+            "triton" if "[triton]" in c.name else c.backend.value for c in calls)
+        rank = os.environ.get("RANK", "0")
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"
+        print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)
+
+    atexit.register(report)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--count-gemms":
+        args = args[1:]
+        _count_gemms()
     if not args or not args[0].endswith(".py"):
-        raise SystemExit("usage: python -m megatron_fp8.megatron.launch SCRIPT.py [ARGS...] "
+        raise SystemExit("usage: python -m megatron_fp8.megatron.launch [--count-gemms] SCRIPT.py [ARGS...] "
                          "(e.g. pretrain_gpt.py from a Megatron-LM checkout)")
     script = os.path.abspath(args[0])
     if not os.path.isfile(script):

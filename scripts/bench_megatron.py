@@ -1,0 +1,217 @@
+"""Megatron-LM's own training loop (``pretrain_gpt.py``, mock data, one GPU) with our layers against
+Megatron's local spec in BF16: tokens/s and peak memory per variant, the benchmark that decides.
+
+Each variant is one ``torchrun`` process running an unmodified Megatron-LM checkout: Megatron's
+local spec in BF16 (the baseline: what a user has without us, with the same core attention as our
+spec), our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
+``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below). Time per
+iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
+after the first; peak memory is its ``max allocated`` report. Prints a table, writes
+``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``.
+
+    python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
+
+``--smoke``: a few iterations per variant with ``--count-gemms`` (FP8 GEMMs per backend, printed
+by each run), to show that every recipe runs natively; no timing table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+CONFIGS: dict[str, list[str]] = {
+    "dense-8b": ["--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+                 "--group-query-attention", "--num-query-groups", "8"],
+    "dense-1b": ["--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
+                 "--group-query-attention", "--num-query-groups", "8"],
+    "moe": ["--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads", "16",
+            "--group-query-attention", "--num-query-groups", "8", "--num-experts", "16", "--moe-router-topk", "4",
+            "--moe-ffn-hidden-size", "1024", "--moe-shared-expert-intermediate-size", "2048", "--moe-grouped-gemm",
+            "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "1e-2"],
+}
+COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+          "--untie-embeddings-and-output-weights", "--bf16", "--transformer-impl", "local", "--mock-data",
+          "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--eval-iters", "0", "--eval-interval",
+          "1000000", "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.0", "--clip-grad", "1.0",
+          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+          "--no-bias-dropout-fusion", "--no-rope-fusion", "--attention-softmax-in-fp32", "--seed", "1234"]
+SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
+_PROJ = '  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n'
+_SHARED = '  - match: "*.shared_experts.linear_fc1"\n    save_original_input: true\n'
+FLAG_RULES = {"dense": "layers:\n" + _PROJ, "moe": "layers:\n" + _PROJ + _SHARED}  # the mission's placements
+RECIPES = ("tensorwise", "blockwise", "delayed")
+
+
+@dataclass
+class Variant:
+    name: str
+    ours: bool
+    recipe: str | None = None
+    flags: bool = False
+
+
+def variants(names: list[str] | None) -> list[Variant]:
+    all_ = [Variant("megatron-bf16", False), Variant("ours-bf16", True)]
+    for r in RECIPES:
+        all_ += [Variant(f"ours-{r}", True, r), Variant(f"ours-{r}+flags", True, r, True)]
+    return [v for v in all_ if names is None or v.name in names]
+
+
+@dataclass
+class Result:
+    config: str
+    variant: str
+    ms: float | None
+    tokens_per_s: float | None
+    max_alloc_mib: float | None
+    gemms: str
+    rc: int
+    tail: str
+
+
+def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> tuple[list[str], dict[str, str]]:
+    script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    if v.ours:  # our launcher: installs the plug-in before Megatron validates its config (MoE + fp8, no TE)
+        run += ["-m", "megatron_fp8.megatron.launch"] + (["--count-gemms"] if args.smoke else []) + [script]
+    else:
+        run += [script]
+    layers = ["--num-layers", str(args.layers), "--seq-length", str(args.seq), "--max-position-embeddings",
+              str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
+              "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
+    cmd = run + CONFIGS[config] + COMMON + layers + (SPEC if v.ours else [])
+    if v.recipe is not None:
+        cmd += ["--fp8-format", "hybrid", "--fp8-recipe", v.recipe]
+        if v.recipe == "delayed":
+            cmd += ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([args.megatron_lm, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    env.pop("MEGATRON_FP8_CONFIG", None)
+    if v.flags:
+        env["MEGATRON_FP8_CONFIG"] = rules
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return cmd, env
+
+
+def _text(b: bytes | str | None) -> str:
+    return "" if b is None else b.decode(errors="replace") if isinstance(b, bytes) else b
+
+
+_ITER = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+_MEM = re.compile(r"max allocated: ([\d.]+)")
+_GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
+
+
+def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
+    times = [float(t) for t in _ITER.findall(out)]
+    ms = statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None)
+    mem = [float(m) for m in _MEM.findall(out)]
+    gemms = _GEMMS.findall(out)
+    tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
+    return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
+                  gemms[-1] if gemms else "", rc, tail)
+
+
+def table(results: list[Result]) -> str:
+    rows = [f"{'config':9} {'variant':24} {'ms/iter':>8} {'tokens/s':>10} {'vs megatron':>11} {'max alloc MiB':>13}"
+            f"  gemms"]
+    base = {r.config: r.tokens_per_s for r in results if r.variant == "megatron-bf16" and r.tokens_per_s}
+    for r in results:
+        rel = f"{r.tokens_per_s / base[r.config]:.3f}x" if r.tokens_per_s and r.config in base else "-"
+        ms = f"{r.ms:.1f}" if r.ms else f"rc={r.rc}"
+        tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+        mem = f"{r.max_alloc_mib:,.0f}" if r.max_alloc_mib else "-"
+        rows.append(f"{r.config:9} {r.variant:24} {ms:>8} {tps:>10} {rel:>11} {mem:>13}  {r.gemms}")
+    return "\n".join(rows)
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r.config for r in results))
+    fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        rs = [r for r in results if r.config == cfg and r.tokens_per_s]
+        base = next((r.tokens_per_s for r in rs if r.variant == "megatron-bf16"), None)
+        if not rs or not base:
+            continue
+        ax.barh([r.variant for r in rs], [r.tokens_per_s / base for r in rs], color="tab:blue")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{cfg}: tokens/s vs Megatron BF16")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout (holds pretrain_gpt.py)")
+    ap.add_argument("--configs", default="dense-1b,dense-8b,moe")
+    ap.add_argument("--variants", default=None, help="comma-separated names (default: all)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--mbs", type=int, default=1)
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per iteration")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--log-interval", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="count GEMMs per backend, a few iterations")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    if not os.path.isfile(os.path.join(args.megatron_lm, "pretrain_gpt.py")):
+        ap.error(f"--megatron-lm {args.megatron_lm}: no pretrain_gpt.py there")
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        ap.error(f"--configs: unknown {sorted(unknown)}; choose from {sorted(CONFIGS)}")
+    if args.smoke:
+        args.iters, args.log_interval = min(args.iters, 4), 2
+    os.makedirs(args.out, exist_ok=True)
+    rules = {}
+    for kind, text in FLAG_RULES.items():
+        with tempfile.NamedTemporaryFile("w", suffix=f"-{kind}.yaml", delete=False) as f:
+            f.write(text)
+        rules[kind] = f.name
+    results = []
+    chosen = variants(args.variants.split(",") if args.variants else None)
+    log = open(os.path.join(args.out, "bench_megatron.log"), "w")
+    for config in args.configs.split(","):
+        for v in chosen:
+            cmd, env = _command(args, config, v, rules["moe" if config == "moe" else "dense"])
+            t0 = time.time()
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                out, rc = p.stdout + p.stderr, p.returncode
+            except subprocess.TimeoutExpired as e:
+                out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
+            r = parse(config, v, out, rc, args.seq * args.mbs * args.micro)
+            results.append(r)
+            print(f"{config} {v.name}: rc={rc} {r.ms} ms/iter, {r.max_alloc_mib} MiB, {r.gemms} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            if rc:
+                print(r.tail, flush=True)
+            log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
+            log.flush()
+    print(table(results))
+    with open(os.path.join(args.out, "bench_megatron.json"), "w") as g:
+        json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, g, indent=1)
+    if not args.smoke:
+        plot(results, os.path.join(args.out, "bench_megatron.png"))
+    return 1 if any(r.rc for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
