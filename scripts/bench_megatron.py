@@ -44,7 +44,8 @@ COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
           "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--eval-iters", "0", "--eval-interval",
           "1000000", "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.0", "--clip-grad", "1.0",
           "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-          "--no-bias-dropout-fusion", "--no-rope-fusion", "--attention-softmax-in-fp32", "--seed", "1234"]
+          "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--attention-softmax-in-fp32",
+          "--seed", "1234"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
 _PROJ = '  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n'
 _SHARED = '  - match: "*.shared_experts.linear_fc1"\n    save_original_input: true\n'
@@ -114,8 +115,9 @@ _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
 
 
 def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
-    times = [float(t) for t in _ITER.findall(out)]
-    ms = statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else None)
+    times = [float(t) for t in _ITER.findall(out)]  # Megatron logs iteration 1, then every log interval
+    steady = times[2:] or times[-1:]  # the first two intervals hold the warm-up (compiles, allocator)
+    ms = statistics.median(steady) if steady else None
     mem = [float(m) for m in _MEM.findall(out)]
     gemms = _GEMMS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""

@@ -24,7 +24,8 @@ def _count_gemms() -> None:
     """Record every FP8 GEMM of the run; print the counts per backend at exit."""
     from .. import gemm
 
-    calls = gemm.record_gemms().__enter__()  # open for the whole process
+    recording = gemm.record_gemms()
+    calls = recording.__enter__()  # open for the whole process (the reference keeps it open)
 
     def report() -> None:
         kinds = collections.Counter(
@@ -34,6 +35,10 @@ def _count_gemms() -> None:
         print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)
 
     atexit.register(report)
+    _keep.append(recording)
+
+
+_keep: list[object] = []
 
 
 def main(argv: list[str] | None = None) -> None:
