@@ -6,7 +6,7 @@ local spec in BF16 (the baseline: what a user has without us, with the same core
 spec), our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
 ``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below). Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
-after the first; peak memory is its ``max allocated`` report. Prints a table, writes
+after the first two (warm-up); peak memory is its ``max allocated`` report. Prints a table, writes
 ``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``.
 
     python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
