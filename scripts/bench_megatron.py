@@ -13,7 +13,8 @@ after the first two (warm-up); peak memory is its ``max allocated`` report. Prin
 
 Our runs go through ``python -m megatron_fp8.megatron.launch --count-gemms``: each prints how many
 FP8 GEMMs ran on which backend (the ``gemms`` column), proof that no GEMM was emulated. Recording
-them costs ~1 us a GEMM. ``--smoke``: four iterations per variant, no plot.
+them costs ~1 us a GEMM. ``--smoke``: four iterations per variant, no plot. ``--from-log LOG...``: the table, JSON and
+plot again from the ``bench_megatron.log`` of earlier runs (also of a run cut short), no GPU.
 """
 
 from __future__ import annotations
@@ -126,6 +127,26 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
                   gemms[-1] if gemms else "", rc, tail)
 
 
+_SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)\n\$ (.*)$", re.M)
+
+
+def from_logs(paths: list[str]) -> list[Result]:
+    """The results recorded in earlier ``bench_megatron.log`` files (one section per run)."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read()
+        marks = list(_SECTION.finditer(text))
+        for i, m in enumerate(marks):
+            body = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)]
+            cmd = m.group(4).split()
+            seq = int(cmd[cmd.index("--seq-length") + 1])
+            gbs = int(cmd[cmd.index("--global-batch-size") + 1])
+            v = next((v for v in variants(None) if v.name == m.group(2)), Variant(m.group(2), True))
+            results.append(parse(m.group(1), v, body, int(m.group(3)), seq * gbs))
+    return results
+
+
 def table(results: list[Result]) -> str:
     rows = [f"{'config':9} {'variant':24} {'ms/iter':>8} {'tokens/s':>10} {'vs megatron':>11} {'max alloc MiB':>13}"
             f"  gemms"]
@@ -162,7 +183,8 @@ def plot(results: list[Result], path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout (holds pretrain_gpt.py)")
+    ap.add_argument("--megatron-lm", help="a Megatron-LM checkout (holds pretrain_gpt.py)")
+    ap.add_argument("--from-log", nargs="+", help="rebuild the table/JSON/plot from these bench_megatron.log files")
     ap.add_argument("--configs", default="dense-1b,dense-8b,moe")
     ap.add_argument("--variants", default=None, help="comma-separated names (default: all)")
     ap.add_argument("--layers", type=int, default=4)
@@ -175,7 +197,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    if not os.path.isfile(os.path.join(args.megatron_lm, "pretrain_gpt.py")):
+    if args.from_log:
+        os.makedirs(args.out, exist_ok=True)
+        return report(from_logs(args.from_log), args, plot_too=True)
+    if not args.megatron_lm or not os.path.isfile(os.path.join(args.megatron_lm, "pretrain_gpt.py")):
         ap.error(f"--megatron-lm {args.megatron_lm}: no pretrain_gpt.py there")
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
@@ -208,10 +233,14 @@ def main() -> int:
                 print(r.tail, flush=True)
             log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
             log.flush()
+    return report(results, args, plot_too=not args.smoke)
+
+
+def report(results: list[Result], args: argparse.Namespace, plot_too: bool) -> int:
     print(table(results))
     with open(os.path.join(args.out, "bench_megatron.json"), "w") as g:
         json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, g, indent=1)
-    if not args.smoke:
+    if plot_too:
         plot(results, os.path.join(args.out, "bench_megatron.png"))
     return 1 if any(r.rc for r in results) else 0
 
