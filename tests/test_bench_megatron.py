@@ -1,0 +1,51 @@
+"""scripts/bench_megatron.py's parsing of Megatron-LM's logs (the benchmark itself needs a GPU and
+a Megatron-LM checkout) and the Megatron-LM example launcher's shell syntax."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import bench_megatron as bm  # noqa: E402
+
+
+def _megatron_log(times: list[float], max_alloc: float, gemms: str | None) -> str:
+    lines = [f" [2026-12-04] iteration {5 * i:8d}/ 20 | elapsed time per iteration (ms): {t:.1f} | lm loss: 9.0 |"
+             for i, t in enumerate(times)]
+    lines.insert(1, f"[Rank 0] (after 5 iterations) memory (MB) | allocated: 100.00 | max allocated: {max_alloc:.2f}")
+    if gemms:
+        lines.append(f"megatron_fp8 [rank 0]: {gemms}")
+    return "\n".join(lines)
+
+
+def test_parse_takes_the_steady_intervals_and_peak_memory() -> None:
+    out = _megatron_log([2000.0, 700.0, 250.0, 240.0, 260.0], 18150.5, "3840 FP8 GEMMs (native 1280, triton 2560)")
+    r = bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), out, 0, 4 * 4096)
+    assert r.ms == 250.0  # the median of the intervals after the first two (warm-up)
+    assert r.tokens_per_s == 4 * 4096 / 0.25
+    assert r.max_alloc_mib == 18150.5 and r.gemms.startswith("3840 FP8 GEMMs")
+    failed = bm.parse("moe", bm.Variant("ours-delayed", True, "delayed"), "Traceback ...\nboom", 1, 4096)
+    assert failed.ms is None and failed.rc == 1 and "boom" in failed.tail
+
+
+def test_from_log_rebuilds_results_and_table(tmp_path: os.PathLike[str]) -> None:
+    log = os.path.join(tmp_path, "bench_megatron.log")
+    with open(log, "w") as f:
+        for variant, times in (("megatron-bf16", [900.0, 600.0, 500.0, 500.0]), ("ours-tensorwise",
+                                                                              [900.0, 600.0, 400.0, 400.0])):
+            f.write(f"===== dense-8b {variant} rc=0\n$ python pretrain_gpt.py --seq-length 4096 "
+                    f"--global-batch-size 4\n{_megatron_log(times, 1000.0, None)}\n")
+    results = bm.from_logs([log])
+    assert [(r.variant, r.ms) for r in results] == [("megatron-bf16", 500.0), ("ours-tensorwise", 400.0)]
+    assert "1.250x" in bm.table(results)
+
+
+def test_megatron_lm_example_script_parses() -> None:
+    script = os.path.join(REPO, "examples", "megatron_lm", "pretrain_gpt_fp8.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert proc.returncode != 0 and "set MEGATRON_LM" in proc.stderr
