@@ -6,6 +6,7 @@ run on plain ``torch.distributed``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any
@@ -38,6 +39,41 @@ def default_tp_group(is_expert: bool) -> dist.ProcessGroup | None:
     if is_expert and hasattr(ps, "get_expert_tensor_parallel_group"):
         return ps.get_expert_tensor_parallel_group()
     return ps.get_tensor_model_parallel_group()
+
+
+@functools.cache
+def _expert_group_terms() -> tuple[str, ...]:
+    """The config comparisons that put an expert layer's parameters on the expert process groups
+    (``allreduce=False``) in the installed megatron-core, read off its ``ColumnParallelLinear``:
+    0.16 uses expert parallelism alone; 0.19 adds ``expert_tensor_parallel_size !=
+    tensor_model_parallel_size``; 0.20 adds ``expert_gtp_weight_remat_size !=
+    gtp_weight_remat_size``. Without megatron-core: the newest rule."""
+    newest = ("expert_tensor_parallel_size", "expert_gtp_weight_remat_size")
+    if "megatron.core" not in sys.modules:
+        return newest
+    try:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        source = inspect.getsource(ColumnParallelLinear.__init__)
+    except (ImportError, OSError, TypeError):
+        return newest
+    return tuple(t for t in newest if f"config.{t} !=" in source)
+
+
+def uses_expert_groups(config: Any, is_expert: bool) -> bool:
+    """Whether an expert layer's parameters belong to the expert process groups (EP / ETP /
+    EDP; Megatron marks them ``allreduce=False``), by the installed megatron-core's rule."""
+    if not is_expert:
+        return False
+    if (getattr(config, "expert_model_parallel_size", 1) or 1) > 1:
+        return True
+    pairs = {"expert_tensor_parallel_size": "tensor_model_parallel_size",
+             "expert_gtp_weight_remat_size": "gtp_weight_remat_size"}
+    for term in _expert_group_terms():
+        mine, dense = getattr(config, term, None), getattr(config, pairs[term], None)
+        if mine is not None and dense is not None and mine != dense:
+            return True
+    return False
 
 
 def make_sharded_tensors(

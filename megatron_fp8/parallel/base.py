@@ -69,6 +69,9 @@ class ParallelLinearBase(FP8Module):
                 f"initialise megatron-core's parallel_state, or set the config to {self.tp_size}"
             )
         self.expert_parallel = config_value(config, "expert_model_parallel_size", self._owner) > 1
+        # Megatron's allreduce=False: gradients reduced over the expert groups (the rule follows
+        # the installed megatron-core's, which changed in 0.19)
+        self.expert_groups = _mcore.uses_expert_groups(config, is_expert)
         self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
         self.gradient_accumulation_fusion = bool(
             config_value(config, "gradient_accumulation_fusion", self._owner))
@@ -77,6 +80,9 @@ class ParallelLinearBase(FP8Module):
                 f"{self._owner}: config.defer_embedding_wgrad_compute is not supported by the FP8 "
                 f"parallel linears; turn it off (or keep Megatron's layer for the output layer)")
         self.sequence_parallel = bool(config_value(config, "sequence_parallel", self._owner))
+        # megatron-core marks a row-parallel bias with the config's flag (its finalize step
+        # all-reduces such grads over TP), whatever this layer's own group size makes of it
+        self.config_sequence_parallel = self.sequence_parallel
         if self.sequence_parallel and self.tp_size == 1:
             warnings.warn(f"{self._owner}: sequence_parallel=True with tensor-parallel size 1; "
                           f"disabling sequence parallelism for this layer", stacklevel=3)
@@ -107,7 +113,7 @@ class ParallelLinearBase(FP8Module):
             else:
                 init_shard_directly(weight.data, init)
         set_tp_attributes(weight, True, self.partition_dim, stride)
-        weight.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        weight.allreduce = not self.expert_groups  # type: ignore[attr-defined]
         return weight
 
     def _new_bias(self, size: int, device: torch.device) -> nn.Parameter:
@@ -116,7 +122,7 @@ class ParallelLinearBase(FP8Module):
         if config_value(self.config, "perform_initialization", self._owner):
             with torch.no_grad():
                 bias.zero_()
-        bias.allreduce = not (self.is_expert and self.expert_parallel)  # type: ignore[attr-defined]
+        bias.allreduce = not self.expert_groups  # type: ignore[attr-defined]
         return bias
 
     # ---- FP8 ----

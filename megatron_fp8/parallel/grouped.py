@@ -77,6 +77,8 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
             b = self._new_bias(shape[0], w.device) if bias else None
             if b is not None and self.partition_dim == 0:
                 set_tp_attributes(b, True, 0, 1)
+            elif b is not None:  # as megatron-core's RowParallelLinear marks its (replicated) bias
+                b.sequence_parallel = self.config_sequence_parallel  # type: ignore[attr-defined]
             self.register_parameter(f"bias{i}", b)
         self.pack_weights()
         self._register_load_state_dict_pre_hook(_merge_expert_extra_states)

@@ -73,7 +73,7 @@ class RowParallelLinear(ParallelLinearBase):
                                        keep_master_weight_for_test)
         if bias:
             self.bias = self._new_bias(output_size, self.weight.device)
-            self.bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+            self.bias.sequence_parallel = self.config_sequence_parallel  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
         if self.explicit_expert_comm and not skip_bias_add and bias:
