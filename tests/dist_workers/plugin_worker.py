@@ -187,8 +187,8 @@ def check_megatron_recompute_equal(ck: Checker) -> None:
     from megatron_fp8.megatron.compat import MegatronCheckpointWithoutOutput
 
     class Theirs(mtp.random.CheckpointWithoutOutput):  # megatron-core's, in its TE-free mode
-        def __init__(self, fp8: object = None) -> None:
-            super().__init__(fp8=None)
+        def __init__(self, fp8: object = None, **kwargs: object) -> None:  # 0.20: retain_input_tensors, ...
+            super().__init__(fp8=None, **kwargs)
             self.fp8 = False
 
     for moe in (False, True):
