@@ -119,10 +119,34 @@ def parse_config(data: dict[str, Any] | None, source: str = "<config>") -> FP8Co
         raise ValueError(f"{source}: {e}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last one
+    silently: a second ``recipe:`` would override the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (YAML would keep the last)",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike[str]) -> FP8Config:
-    """Read and validate a YAML config file."""
+    """Read and validate a YAML config file; an empty (or comment-only) file and a key given
+    twice are errors, not defaults."""
     with open(path) as f:
-        return parse_config(yaml.safe_load(f), str(path))
+        try:
+            data = yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        raise ValueError(f"{path}: the file is empty (or only comments); write the fp8: section and/or the "
+                         f"layers: rules, e.g. `fp8: {{enabled: true, recipe: blockwise}}`")
+    return parse_config(data, str(path))
 
 
 def apply_layer_flags(model: nn.Module, config: FP8Config) -> dict[str, bool]:

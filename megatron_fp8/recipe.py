@@ -49,10 +49,18 @@ def _check_format(recipe: object) -> None:
         _fail(recipe, "fp8_format", fmt, "Format.E4M3 or Format.HYBRID")
 
 
+# Bounds beyond which no normal tensor casts to a finite, non-zero FP8 tensor:
+MAX_MARGIN = 16  # amax maps to FP8_MAX / 2**margin: past ~17 (E4M3) even the largest element flushes
+MAX_AMAX_EPSILON = 1.0  # a floor on the amax of near-zero tensors; above 1.0 it rescales ordinary ones
+MAX_AMAX_HISTORY_LEN = 65536
+
+
 def _check_epsilon(recipe: object) -> None:
     eps = recipe.amax_epsilon
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
-        _fail(recipe, "amax_epsilon", eps, "a float >= 0.0")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps <= MAX_AMAX_EPSILON:
+        _fail(recipe, "amax_epsilon", eps,
+              f"a float in [0.0, {MAX_AMAX_EPSILON}] (a floor for the amax of all-zero or tiny tensors; a larger "
+              f"one scales ordinary tensors down until they cast to zeros)")
 
 
 def _check_bool(recipe: object, name: str) -> None:
@@ -95,14 +103,16 @@ class DelayedScaling(_RecipeBase):
 
     def __post_init__(self) -> None:
         _check_format(self)
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
-            _fail(self, "margin", self.margin, "an int >= 0")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or not 0 <= self.margin <= MAX_MARGIN:
+            _fail(self, "margin", self.margin,
+                  f"an int in [0, {MAX_MARGIN}] (the amax maps to FP8_MAX / 2**margin; a larger margin casts "
+                  f"every element to zero or to a few subnormal steps)")
         if (
             not isinstance(self.amax_history_len, int)
             or isinstance(self.amax_history_len, bool)
-            or self.amax_history_len < 1
+            or not 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN
         ):
-            _fail(self, "amax_history_len", self.amax_history_len, "an int >= 1")
+            _fail(self, "amax_history_len", self.amax_history_len, f"an int in [1, {MAX_AMAX_HISTORY_LEN}]")
         if self.amax_compute_algo not in ("max", "most_recent"):
             _fail(self, "amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
 

@@ -243,6 +243,9 @@ def test_linear_extra_state_roundtrip() -> None:
         assert torch.equal(getattr(qa, role).amax_history, getattr(qb, role).amax_history)
     other = _layer(False, torch.bfloat16, True)
     other.load_state_dict(sd)
-    with pytest.raises(ValueError, match="use the same recipe"):
-        with mf.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=8, margin=2)):
-            other(x)
+    for _ in range(2):  # refused every time under another recipe, the loaded state kept meanwhile
+        with pytest.raises(ValueError, match="run it under the checkpoint's recipe"):
+            with mf.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=8, margin=2)):
+                other(x)
+    with mf.fp8_autocast(fp8_recipe=recipe):  # then the right recipe resumes from it
+        assert torch.equal(other(x), y_a)

@@ -25,6 +25,7 @@ from ..autocast import current_fp8_state
 from ..ops.linear import LinearQuantizers, mark_param_derived
 from ..quant.quantizers import make_quantizer
 from ..quant.tensor import QuantizedTensor
+from ..quant.tensor_scaling import check_delayed_state
 from ..recipe import Recipe, TensorRole
 
 
@@ -43,6 +44,15 @@ class FP8Module(nn.Module):
         self._w_cache: dict[str, QuantizedTensor] = {}
         self._pending_state: dict[str, Any] | None = None
         self.is_first_microbatch: bool | None = None  # Megatron's attribute (module docstring)
+        self._extra_state_key = "_extra_state"  # where load_state_dict found our FP8 state (errors name it)
+        self._fp8_mode: Any = ()  # the recipe of the last forward (None: FP8 off); () before the first
+        self._register_load_state_dict_pre_hook(self._before_load)
+
+    def _before_load(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        """Checkpoints without FP8 state load (``nn.Linear``'s, or Megatron's own layers, which
+        write ``_extra_state=None``); remember the key for errors about the state."""
+        self._extra_state_key = f"{prefix}_extra_state"
+        state_dict.setdefault(self._extra_state_key, None)
 
     def microbatch_flag(self, is_first_microbatch: bool | None) -> bool | None:
         """The forward's ``is_first_microbatch``: the argument where given, else the attribute,
@@ -54,6 +64,10 @@ class FP8Module(nn.Module):
             self.is_first_microbatch = False
         return flag
 
+    def fp8_mode_changed(self, recipe: Recipe | None, group: Any) -> None:
+        """Called at the first forward and whenever the recipe changes (None: FP8 off), before
+        the layer runs with it; parallel layers check that their peers agree."""
+
     def no_fp8_region(self) -> None:
         """Called when the layer runs outside every FP8 region (FP8 off); subclasses that know
         FP8 was asked for (Megatron's ``config.fp8``) raise here instead of running silently in
@@ -62,6 +76,11 @@ class FP8Module(nn.Module):
     def fp8_quantizers(self, key: str = "weight") -> LinearQuantizers | None:
         """Quantizers of weight ``key`` under the active region's recipe (None with FP8 off)."""
         state = current_fp8_state()
+        mode = state.recipe if state is not None and state.enabled else None
+        if mode is not self._fp8_mode:  # identity first: a region's recipe object is usually the same
+            if mode != self._fp8_mode:
+                self.fp8_mode_changed(mode, state.group if state is not None else None)
+            self._fp8_mode = mode
         if state is None:
             self.no_fp8_region()
             return None
@@ -84,8 +103,8 @@ class FP8Module(nn.Module):
                 make_quantizer(state.recipe, role, name=f"{name}:{role.value}", device=device)
                 for role in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT)
             ))
+            self._restore_pending(key, q)  # raises (keeping the loaded state) under another recipe
             self._quantizers[key] = q
-            self._restore_pending(key, q)
         for quantizer in (q.input, q.grad_output):  # the weight is never sharded along tokens
             if hasattr(quantizer, "group"):
                 quantizer.group = state.group  # type: ignore[attr-defined]
@@ -133,13 +152,26 @@ class FP8Module(nn.Module):
     def set_extra_state(self, state: Any) -> None:
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
             return
+        where = f"{self._fp8_owner()}: state_dict key {self._extra_state_key!r}"
         if isinstance(state, torch.Tensor):
-            state = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
-        if not isinstance(state, dict) or "quantizers" not in state:
-            raise ValueError(f"{type(self).__name__}: unrecognised FP8 extra state {type(state).__name__}")
+            try:
+                state = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
+            except Exception as e:
+                raise ValueError(f"{where} is not megatron_fp8 FP8 state ({type(e).__name__}: {e})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):
+            raise ValueError(f"{where}: unrecognised FP8 extra state {type(state).__name__}; expected the dict "
+                             f"that get_extra_state writes")
+        for key, roles in state["quantizers"].items():
+            for role, entry in roles.items():
+                if entry:  # per-tensor delayed scaling's history and scale (other recipes keep none)
+                    check_delayed_state(entry, f"{where}, quantizer {key}:{role}")
         self._pending_state = state
         for key, q in self._quantizers.items():
             self._restore_pending(key, q)
+
+    def _fp8_owner(self) -> str:
+        layer = getattr(self, "name", None)
+        return f"{type(self).__name__}({layer})" if layer else type(self).__name__
 
     def _restore_pending(self, key: str, q: LinearQuantizers) -> None:
         """Load saved quantizer state once a quantizer of the same recipe exists."""
@@ -148,8 +180,9 @@ class FP8Module(nn.Module):
             return
         if self._fp8_recipe is not None and st["recipe"] != self._fp8_recipe.describe():
             raise ValueError(
-                f"{type(self).__name__}: checkpointed FP8 state is for {st['recipe']}, but the "
-                f"layer now runs {self._fp8_recipe.describe()}; use the same recipe to resume"
+                f"{self._fp8_owner()}: the FP8 state loaded from {self._extra_state_key!r} is for {st['recipe']}, "
+                f"but the layer now runs {self._fp8_recipe.describe()}; run it under the checkpoint's recipe to "
+                f"resume (the loaded state is kept until then), or load the checkpoint with that state removed"
             )
         for role in ("input", "weight", "grad_output"):
             getattr(q, role).load_state_dict(st["quantizers"][key][role])

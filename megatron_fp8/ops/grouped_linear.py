@@ -48,6 +48,7 @@ expert's data and scales. FP8 off: ``x`` and the weights.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,7 @@ from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
-from .linear import LinearQuantizers, _accumulate_wgrad, mark_param_derived
+from .linear import LinearQuantizers, _accumulate_wgrad, check_float_input, mark_param_derived
 
 __all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
 
@@ -308,11 +309,25 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     return dx, dws
 
 
+def _as_count(m: object) -> object:
+    """An integer-like token count (Python or NumPy int) as an int; anything else as it is."""
+    if isinstance(m, bool) or isinstance(m, int):
+        return m
+    try:
+        return operator.index(m)  # type: ignore[arg-type]  # NumPy / torch integer scalars
+    except TypeError:
+        return m
+
+
 def check_m_splits(m_splits: Sequence[int] | torch.Tensor, num_gemms: int, rows: int, owner: str) -> tuple[int, ...]:
     """``m_splits`` as a tuple of ints, or a ValueError naming the layer and the fix."""
     if isinstance(m_splits, torch.Tensor):
         m_splits = m_splits.tolist()
-    splits = tuple(m_splits)
+    if m_splits is None or isinstance(m_splits, (str, bytes)) or not hasattr(m_splits, "__len__"):
+        raise TypeError(f"{owner}: m_splits={m_splits!r}; pass the tokens of each local expert as a list of "
+                        f"{num_gemms} ints (or a 1-D integer tensor), e.g. [{', '.join(['128'] * min(num_gemms, 3))}"
+                        f"{', ...' if num_gemms > 3 else ''}]")
+    splits = tuple(_as_count(m) for m in m_splits)
     if len(splits) != num_gemms:
         raise ValueError(f"{owner}: m_splits has {len(splits)} entries, but the layer has {num_gemms} "
                          f"experts (num_gemms); pass one token count per local expert")
@@ -343,6 +358,7 @@ def grouped_linear(
     expert) is given; ``w_fp8``: the weights cast rowwise and columnwise, one QuantizedTensor per
     expert or one launch's ``Segments`` (cast here if None)."""
     n = len(weights)
+    check_float_input(x, weights[0], name)
     x2d = x.reshape(-1, x.shape[-1])
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
     k = weights[0].shape[1]

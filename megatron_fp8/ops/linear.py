@@ -56,6 +56,14 @@ def mark_tensors_param_derived(tensors: Iterable[torch.Tensor]) -> None:
         t._mf_param_derived = True  # type: ignore[attr-defined]
 
 
+def check_float_input(x: torch.Tensor, weight: torch.Tensor, owner: str) -> None:
+    """A non-floating-point input is refused as ``nn.Linear`` refuses it (FP8 off would otherwise
+    cast the weight to the input's integer dtype and return zeros)."""
+    if not x.is_floating_point():
+        raise RuntimeError(f"{owner}: mat1 and mat2 must have the same dtype, but got {x.dtype} and {weight.dtype} "
+                           f"(the input must be floating point: fp32, bf16 or fp16)")
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -269,6 +277,7 @@ def linear(
             f"linear: input has {x.shape[-1]} features (shape {tuple(x.shape)}), "
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)})"
         )
+    check_float_input(x, weight, "linear")
     wgrad = torch.is_grad_enabled() and weight.requires_grad
     if quantizers is not None and wgrad:
         # wgrad contracts over tokens: fail now for the token-blocked casts backward would do

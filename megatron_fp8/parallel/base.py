@@ -19,8 +19,9 @@ from ..autocast import current_fp8_state
 from ..modules.base import FP8Module, default_init
 from ..ops.linear import LinearQuantizers, mark_param_derived
 from ..quant.tensor import QuantizedTensor
+from ..recipe import Recipe
 from . import _mcore
-from .checks import config_value, warn_if_emulated
+from .checks import config_value, same_on_all_ranks, warn_if_emulated
 from .groups import group_rank, group_size, resolve_tp_group
 from .init import init_shard_directly, init_shard_from_master, set_tp_attributes
 
@@ -87,7 +88,6 @@ class ParallelLinearBase(FP8Module):
             warnings.warn(f"{self._owner}: sequence_parallel=True with tensor-parallel size 1; "
                           f"disabling sequence parallelism for this layer", stacklevel=3)
             self.sequence_parallel = False
-        self._register_load_state_dict_pre_hook(_default_extra_state)
 
     def _new_weight(
         self,
@@ -145,6 +145,20 @@ class ParallelLinearBase(FP8Module):
             return q, self.fp8_weight(key, q, is_first_microbatch)
         with torch.no_grad():
             return q, mark_param_derived(q.weight.quantize(weight, rowwise=True, columnwise=True))
+
+    def fp8_mode_changed(self, recipe: Recipe | None, group: Any) -> None:
+        """Every rank of the TP group (and of the amax-reduction group) must run the same recipe
+        (or all run FP8 off): one small all-gather per change, an error on every rank naming
+        each rank's recipe if they differ (they would otherwise all-gather FP8 data cast with
+        different scales, or wait on collectives of different sizes)."""
+        if self.tp_size == 1 and group is None:
+            return
+        mode = "FP8 off" if recipe is None else recipe.describe()
+        param = next(self.parameters(), None)  # none with skip_weight_param_allocation and no bias
+        device = param.device if param is not None else init_device(self.config)
+        same_on_all_ranks(mode, self.tp_group, device, self._owner, "tensor-parallel")
+        if group is not None and group is not self.tp_group:
+            same_on_all_ranks(mode, group, device, self._owner, "amax-reduction (fp8_group)")
 
     def no_fp8_region(self) -> None:
         """``config.fp8`` set and no FP8 region open: Megatron asked for FP8 and would get BF16
@@ -218,8 +232,3 @@ class ParallelLinearBase(FP8Module):
         return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "
                 f"bias={bias}, TP={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
                 f"save_original_input={self.save_original_input})")
-
-
-def _default_extra_state(state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-    """Load checkpoints without FP8 state (Megatron's own layers write ``_extra_state=None``)."""
-    state_dict.setdefault(f"{prefix}_extra_state", None)

@@ -7,12 +7,13 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..gemm import native_supported
 from ..ops.linear import LinearQuantizers
 from ..recipe import Recipe
 
-__all__ = ["divide", "config_value", "check_sequence_parallel_input", "warn_if_emulated"]
+__all__ = ["divide", "config_value", "check_sequence_parallel_input", "warn_if_emulated", "same_on_all_ranks"]
 
 _REQUIRED_CONFIG = ("tensor_model_parallel_size", "sequence_parallel", "params_dtype")
 _CONFIG_DEFAULTS: dict[str, Any] = {
@@ -88,3 +89,31 @@ def warn_if_emulated(q: LinearQuantizers, recipe: Recipe, device: torch.device, 
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+_WIDTH = 384  # bytes of a value compared across ranks (a recipe's description fits; longer ones are hashed)
+
+
+def _encode(value: str, device: torch.device) -> torch.Tensor:
+    raw = value.encode()
+    if len(raw) > _WIDTH:
+        raw = raw[:_WIDTH - 20] + f"..#{hash(value) & 0xFFFFFFFF:08x}".encode()
+    return torch.tensor(list(raw.ljust(_WIDTH, b"\0")), dtype=torch.uint8, device=device)
+
+
+def same_on_all_ranks(value: str, group: dist.ProcessGroup | None, device: torch.device, owner: str,
+                      what: str, fix: str = "open the same fp8_autocast (recipe and format) on every rank") -> None:
+    """Raise on every rank of ``group`` unless all ranks pass the same ``value``: one small
+    all-gather (call it when the value may have changed, never per step), then an error naming
+    each rank's value and the fix. Ranks that disagree would otherwise run collectives of
+    different sizes or scales: wrong numbers or a hang."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = _encode(value, device)
+    everyone = torch.empty(dist.get_world_size(group) * _WIDTH, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    got = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in everyone.view(-1, _WIDTH).cpu()]
+    if len(set(got)) > 1:
+        ranks = dist.get_process_group_ranks(group)
+        listing = "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, got))
+        raise RuntimeError(f"{owner}: the ranks of its {what} group disagree ({listing}); {fix}")

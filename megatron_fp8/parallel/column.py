@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..ops.linear import linear
 from .base import ParallelLinearBase, init_device
-from .checks import divide
+from .checks import divide, same_on_all_ranks
 from .comm import ColumnComm
 from .init import set_tp_attributes
 from .mappings import gather_from_region
@@ -94,6 +94,7 @@ class ColumnParallelLinear(ParallelLinearBase):
                                 and not self.explicit_expert_comm)
         self._comm = (ColumnComm(self.tp_group, self.sequence_parallel, self.allreduce_dgrad, self._owner)
                       if self.sequence_parallel or self.allreduce_dgrad else None)
+        self._sp_checked = -1  # the local sequence length last checked equal on every rank
 
     def _check_gather(self, gather: bool, what: str) -> None:
         if not gather:
@@ -120,6 +121,11 @@ class ColumnParallelLinear(ParallelLinearBase):
         if self.sequence_parallel and input_.dim() < 2:
             raise ValueError(f"{self._owner}: sequence parallelism needs an input [sequence, ..., hidden], "
                              f"got shape {tuple(input_.shape)}")
+        if self.sequence_parallel and input_.shape[0] != self._sp_checked:  # the first call, and each new length
+            same_on_all_ranks(f"{input_.shape[0]} local tokens", self.tp_group, input_.device, self._owner,
+                              "sequence-parallel", "each rank must hold an equal shard of the sequence (dim 0); "
+                              "pad the sequence to a multiple of the tensor-parallel size")
+            self._sp_checked = input_.shape[0]
         q, w_fp8 = self._fp8_operands(weight, is_first_microbatch)
         y = linear(
             input_, weight, None if self.skip_bias_add else self.bias, w_fp8=w_fp8, quantizers=q,

@@ -325,9 +325,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         return {"scale": self.scale.clone(), "amax_history": self.amax_history.clone(), "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"scale", "amax_history", "step"} - set(state)
-        if missing:
-            raise KeyError(f"delayed-scaling state for {self.name} lacks {sorted(missing)}")
+        check_delayed_state(state, f"delayed-scaling state for {self.name}")
         hist = state["amax_history"]
         if hist.shape != self.amax_history.shape:
             raise ValueError(
@@ -335,6 +333,32 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
                 f"the recipe says amax_history_len={self.amax_history.shape[0]}"
             )
         self.amax_history = hist.to(self.amax_history.device, torch.float32).clone()
-        self.scale = state["scale"].to(self.scale.device, torch.float32).clone()
-        self.step = int(state["step"])
+        self.scale = state["scale"].to(self.scale.device, torch.float32).reshape(()).clone()
+        # The saved step counted another process's FP8 steps: the state is that of a finished
+        # step, so the next cast starts a new one (rolls the history, takes the new scale), as
+        # in the run that saved it; a fresh process's counter could otherwise equal it.
+        self.step = -1
         self._row = None
+
+
+def check_delayed_state(state: Any, where: str) -> None:
+    """A delayed-scaling quantizer's saved state (``state_dict``) is whole and usable: an FP32-able
+    1-D history of finite, non-negative amaxes and one finite, positive scale; else a ValueError
+    naming ``where`` (the layer, the state_dict key and the quantizer)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: expected a dict with scale, amax_history and step, got {type(state).__name__}")
+    missing = {"scale", "amax_history", "step"} - set(state)
+    if missing:
+        raise ValueError(f"{where}: the saved delayed-scaling state lacks {sorted(missing)}")
+    hist, scale = state["amax_history"], state["scale"]
+    if not isinstance(hist, torch.Tensor) or hist.dim() != 1 or hist.numel() == 0:
+        raise ValueError(f"{where}: amax_history must be a non-empty 1-D tensor, got "
+                         f"{tuple(hist.shape) if isinstance(hist, torch.Tensor) else type(hist).__name__}")
+    if not bool(torch.isfinite(hist).all()) or bool((hist < 0).any()):
+        raise ValueError(f"{where}: amax_history holds non-finite or negative amaxes; the checkpoint is corrupt "
+                         f"(an amax is a finite max |x|)")
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+        raise ValueError(f"{where}: scale must be a one-element tensor, got "
+                         f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(f"{where}: scale={scale.item()!r} is not finite and positive; the checkpoint is corrupt")
