@@ -160,8 +160,12 @@ def main() -> None:
     on_losses, on_bytes, applied = train(args, fp8, flags_on=True)
     off_losses, off_bytes, _ = train(args, fp8, flags_on=False)
     rank = dist.get_rank()
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (on_bytes, off_bytes))
+    # a tensor all-gather (all_gather_object would need NumPy, which this example does not)
+    mine = torch.tensor([on_bytes, off_bytes], dtype=torch.int64,
+                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    gathered = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(gathered, mine)
+    per_rank = gathered.view(-1, 2).tolist()
     if rank == 0:
         print(f"recipe {fp8.recipe().describe()}, TP={dist.get_world_size()}, sequence parallel "
               f"{args.sequence_parallel}\nsave_original_input on: {sorted(n for n, f in applied.items() if f)}; "

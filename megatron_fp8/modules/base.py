@@ -29,6 +29,11 @@ from ..quant.tensor_scaling import check_delayed_state
 from ..recipe import Recipe, TensorRole
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A uint8 tensor's bytes without NumPy (which is not a dependency): FP8 extra state blobs."""
+    return bytes(t.detach().cpu().reshape(-1).tolist())
+
+
 def default_init(w: torch.Tensor) -> None:
     """``nn.Linear``'s weight initialisation (used when no ``init_method`` is given)."""
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
@@ -155,7 +160,7 @@ class FP8Module(nn.Module):
         where = f"{self._fp8_owner()}: state_dict key {self._extra_state_key!r}"
         if isinstance(state, torch.Tensor):
             try:
-                state = torch.load(io.BytesIO(state.numpy().tobytes()), weights_only=True)
+                state = torch.load(io.BytesIO(tensor_bytes(state)), weights_only=True)
             except Exception as e:
                 raise ValueError(f"{where} is not megatron_fp8 FP8 state ({type(e).__name__}: {e})") from None
         if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):

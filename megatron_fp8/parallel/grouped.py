@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..modules.base import tensor_bytes
 from ..modules.grouped import ExpertParams
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
@@ -111,7 +112,7 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
     # ---- checkpointing: one key set per expert, as megatron-core's TEGroupedLinear ----
     def expert_extra_state(self, i: int) -> torch.Tensor:
         """The FP8 state of expert ``i`` alone (same format as ``get_extra_state``)."""
-        state = torch.load(io.BytesIO(self.get_extra_state().numpy().tobytes()), weights_only=True)
+        state = torch.load(io.BytesIO(tensor_bytes(self.get_extra_state())), weights_only=True)
         state["quantizers"] = {k: v for k, v in state["quantizers"].items() if k == f"weight{i}"}
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -162,7 +163,7 @@ def _merge_expert_extra_states(state_dict: dict[str, Any], prefix: str, *args: A
     for k in [f"{prefix}_extra_state", *keys]:
         blob = state_dict.pop(k, None)
         if isinstance(blob, torch.Tensor) and blob.numel():
-            part = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+            part = torch.load(io.BytesIO(tensor_bytes(blob)), weights_only=True)
             # The slot decides the local expert: a checkpoint saved with another expert-parallel
             # layout carries the blob of a different local index, so re-key by slot.
             slot = k[len(f"{prefix}_extra_state"):] or "0"
