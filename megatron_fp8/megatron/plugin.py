@@ -7,7 +7,8 @@ Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing t
   ``TransformerConfig``, or main's ``GPTModelConfig`` holding one as ``.transformer``) and gets
   megatron-core's local spec with our linears, built from ``num_moe_experts``,
   ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ``qk_l2_norm`` (MoE: the decoder
-  block spec, so ``moe_layer_freq`` and pipeline stages are Megatron's). The older builder
+  block spec, so ``moe_layer_freq`` and pipeline stages are Megatron's), with the SDPA core
+  attention on CUDA (``MEGATRON_FP8_CORE_ATTENTION=local`` keeps megatron-core's). The older builder
   (``gpt_builders.py``) passes the function through uncalled; the transformer block then calls
   it with its config (``compat.py``).
 * ``--fp8-format`` / ``--fp8-recipe`` / ``--fp8-margin`` / ``--fp8-amax-history-len`` /
@@ -41,11 +42,12 @@ from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from .compat import patch_megatron
 from .fp8 import recipe_from_megatron
-from .specs import get_gpt_layer_spec, import_megatron, to_fp8_spec
+from .specs import default_core_attention, get_gpt_layer_spec, import_megatron, to_fp8_spec
 
-__all__ = ["layer_spec", "install", "ENV_CONFIG"]
+__all__ = ["layer_spec", "install", "ENV_CONFIG", "ENV_CORE_ATTENTION"]
 
 ENV_CONFIG = "MEGATRON_FP8_CONFIG"
+ENV_CORE_ATTENTION = "MEGATRON_FP8_CORE_ATTENTION"
 
 
 def _transformer_config(config: Any) -> Any:
@@ -75,13 +77,21 @@ def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
         block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
                                                  normalization=getattr(cfg, "normalization", None),
                                                  qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
-        return to_fp8_spec(block, grouped_experts=bool(getattr(cfg, "moe_grouped_gemm", False)))
+        return to_fp8_spec(block, grouped_experts=bool(getattr(cfg, "moe_grouped_gemm", False)),
+                           core_attention=core_attention())
     return get_gpt_layer_spec(
         qk_layernorm=bool(getattr(cfg, "qk_layernorm", False)),
         multi_latent_attention=bool(getattr(cfg, "multi_latent_attention", False)),
         normalization=getattr(cfg, "normalization", None),
         qk_l2_norm=bool(getattr(cfg, "qk_l2_norm", False)),
+        core_attention=core_attention(),
     )
+
+
+def core_attention() -> str:
+    """``MEGATRON_FP8_CORE_ATTENTION`` (``sdpa`` or ``local``), else ``sdpa`` on CUDA and
+    megatron-core's ``local`` elsewhere."""
+    return os.environ.get(ENV_CORE_ATTENTION) or default_core_attention()
 
 
 # ---- per-layer flags from YAML, applied at the first forward ----

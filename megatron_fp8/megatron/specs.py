@@ -82,12 +82,33 @@ def import_megatron(module: str, what: str) -> ModuleType:
         ) from e
 
 
-def _replacements() -> dict[type, type]:
+CORE_ATTENTION = ("sdpa", "local")
+
+
+def default_core_attention() -> str:
+    """``"sdpa"`` (``attention.SDPAttention``) on CUDA, megatron-core's ``"local"``
+    ``DotProductAttention`` elsewhere (the CPU tests compare against Megatron's spec bitwise)."""
+    import torch
+
+    return "sdpa" if torch.cuda.is_available() else "local"
+
+
+def _replacements(core_attention: str = "local") -> dict[type, type]:
     """megatron-core class -> our class, for the classes that appear in local specs."""
     from ..parallel import ColumnParallelLinear, RowParallelLinear
 
+    if core_attention not in CORE_ATTENTION:
+        raise ValueError(f"core_attention={core_attention!r}; choose 'sdpa' (PyTorch's scaled_dot_product_attention, "
+                         f"whose output linear_proj can save without a copy) or 'local' (megatron-core's "
+                         f"DotProductAttention)")
     tp = import_megatron("megatron.core.tensor_parallel", "megatron_fp8.megatron.to_fp8_spec")
-    return {tp.ColumnParallelLinear: ColumnParallelLinear, tp.RowParallelLinear: RowParallelLinear}
+    out: dict[type, type] = {tp.ColumnParallelLinear: ColumnParallelLinear, tp.RowParallelLinear: RowParallelLinear}
+    if core_attention == "sdpa":
+        from .attention import SDPAttention
+
+        dpa = import_megatron("megatron.core.transformer.dot_product_attention", "megatron_fp8 core attention")
+        out[dpa.DotProductAttention] = SDPAttention
+    return out
 
 
 def _grouped_experts() -> tuple[type, Any]:
@@ -110,7 +131,7 @@ class _Converter:
     """Walks a spec tree (ModuleSpec, submodule dataclasses, partials, lists) and rebuilds it
     with megatron-core's local linears replaced; the input spec is not modified."""
 
-    def __init__(self, grouped_experts: bool = False) -> None:
+    def __init__(self, grouped_experts: bool = False, core_attention: str = "local") -> None:
         spec_utils = import_megatron("megatron.core.transformer.spec_utils", "megatron_fp8.megatron.to_fp8_spec")
         experts = import_megatron("megatron.core.transformer.moe.experts", "megatron_fp8.megatron.to_fp8_spec")
         self.module_spec = spec_utils.ModuleSpec
@@ -120,7 +141,7 @@ class _Converter:
             self.to_group.add(experts.SequentialMLP)
         self.to_group.discard(None)
         self.grouped = 0
-        self.classes = _replacements()
+        self.classes = _replacements(core_attention)
         self.replaced = 0
         self.te_classes: list[str] = []
         self.refused: set[type] = set()  # multi-latent attention: see _MLA_REFUSED
@@ -194,15 +215,16 @@ _MLA_REFUSED = (
 )
 
 
-def to_fp8_spec(spec: Any, *, grouped_experts: bool = False) -> Any:
+def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str = "local") -> Any:
     """A copy of a megatron-core *local* spec (layer, block or MoE spec) with its
     Column/RowParallelLinears replaced by megatron_fp8's and a legacy ``GroupedMLP`` by
     ``TEGroupedMLP`` holding our grouped linears. ``grouped_experts=True`` swaps
     ``SequentialMLP`` experts for that ``TEGroupedMLP`` too: megatron-core 0.17+'s local specs
-    build ``SequentialMLP`` experts whatever ``moe_grouped_gemm`` says. Raises if the spec holds
+    build ``SequentialMLP`` experts whatever ``moe_grouped_gemm`` says. ``core_attention="sdpa"``
+    swaps megatron-core's ``DotProductAttention`` for ``attention.SDPAttention``. Raises if the spec holds
     Transformer Engine linears (build it from the local spec), no linear to replace, or, with
     ``grouped_experts``, no experts to group."""
-    conv = _Converter(grouped_experts)
+    conv = _Converter(grouped_experts, core_attention)
     out = conv(spec)
     if conv.mla:
         raise ValueError(_MLA_REFUSED.format(where=f"to_fp8_spec: the spec holds {sorted(set(conv.mla))}"))
@@ -232,10 +254,13 @@ def get_gpt_layer_spec(
     multi_latent_attention: bool = False,
     normalization: str | None = None,
     qk_l2_norm: bool = False,
+    core_attention: str | None = None,
 ) -> Any:
     """megatron-core's ``get_gpt_layer_local_spec(...)`` with megatron_fp8's linears (see the
     module docstring for what is replaced). Arguments as megatron-core's; ``normalization``
-    ``"RMSNorm"`` or None (LayerNorm)."""
+    ``"RMSNorm"`` or None (LayerNorm); ``core_attention``: ``"sdpa"`` (``attention.SDPAttention``,
+    the default on CUDA) or ``"local"`` (megatron-core's ``DotProductAttention``, the default
+    elsewhere)."""
     if multi_latent_attention:
         raise ValueError(_MLA_REFUSED.format(where="get_gpt_layer_spec(multi_latent_attention=True)"))
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.get_gpt_layer_spec")
@@ -253,4 +278,5 @@ def get_gpt_layer_spec(
             raise ValueError(f"get_gpt_layer_spec: this megatron-core's get_gpt_layer_local_spec does not take "
                              f"{unknown}; leave them at their defaults")
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    return to_fp8_spec(local(**kwargs), grouped_experts=bool(moe_grouped_gemm) and num_experts is not None)
+    return to_fp8_spec(local(**kwargs), grouped_experts=bool(moe_grouped_gemm) and num_experts is not None,
+                       core_attention=core_attention or default_core_attention())
