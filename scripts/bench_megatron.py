@@ -2,8 +2,9 @@
 Megatron's local spec in BF16: tokens/s and peak memory per variant, the benchmark that decides.
 
 Each variant is one ``torchrun`` process running an unmodified Megatron-LM checkout: Megatron's
-local spec in BF16 (the baseline: what a user has without us, with the same core attention as our
-spec), our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
+local spec in BF16 (the baseline: what a user has without us, run with the same core attention
+as our spec, ``baseline_spec``; and ``megatron-bf16-own-attn`` with its own unfused attention),
+our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
 ``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below). Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
 after the first two (warm-up); peak memory is its ``max allocated`` report. Prints a table, writes
@@ -49,6 +50,8 @@ COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
           "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--attention-softmax-in-fp32",
           "--seed", "1234"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
+# Megatron's own linears with our core attention (SDPA on CUDA): attention for attention
+BASELINE_SPEC = ["--spec", "megatron_fp8.megatron.plugin", "baseline_spec"]
 _PROJ = '  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n'
 _SHARED = '  - match: "*.shared_experts.linear_fc1"\n    save_original_input: true\n'
 FLAG_RULES = {"dense": "layers:\n" + _PROJ, "moe": "layers:\n" + _PROJ + _SHARED}  # the mission's placements
@@ -64,7 +67,7 @@ class Variant:
 
 
 def variants(names: list[str] | None) -> list[Variant]:
-    all_ = [Variant("megatron-bf16", False), Variant("ours-bf16", True)]
+    all_ = [Variant("megatron-bf16", False), Variant("megatron-bf16-own-attn", False), Variant("ours-bf16", True)]
     for r in RECIPES:
         all_ += [Variant(f"ours-{r}", True, r), Variant(f"ours-{r}+flags", True, r, True)]
     return [v for v in all_ if names is None or v.name in names]
@@ -92,7 +95,8 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     layers = ["--num-layers", str(args.layers), "--seq-length", str(args.seq), "--max-position-embeddings",
               str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
               "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
-    cmd = run + CONFIGS[config] + COMMON + layers + (SPEC if v.ours else [])
+    spec = SPEC if v.ours else BASELINE_SPEC if v.name == "megatron-bf16" else []
+    cmd = run + CONFIGS[config] + COMMON + layers + spec
     if v.recipe is not None:
         cmd += ["--fp8-format", "hybrid", "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":

@@ -42,9 +42,9 @@ from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from .compat import patch_megatron
 from .fp8 import recipe_from_megatron
-from .specs import default_core_attention, get_gpt_layer_spec, import_megatron, to_fp8_spec
+from .specs import default_core_attention, get_gpt_layer_spec, import_megatron, to_fp8_spec, with_core_attention
 
-__all__ = ["layer_spec", "install", "ENV_CONFIG", "ENV_CORE_ATTENTION"]
+__all__ = ["layer_spec", "baseline_spec", "install", "ENV_CONFIG", "ENV_CORE_ATTENTION"]
 
 ENV_CONFIG = "MEGATRON_FP8_CONFIG"
 ENV_CORE_ATTENTION = "MEGATRON_FP8_CORE_ATTENTION"
@@ -86,6 +86,26 @@ def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
         qk_l2_norm=bool(getattr(cfg, "qk_l2_norm", False)),
         core_attention=core_attention(),
     )
+
+
+def baseline_spec(config: Any = None, vp_stage: int | None = None) -> Any:
+    """Megatron's own local spec (its linears, no FP8) with this plug-in's core attention: what
+    ``scripts/bench_megatron.py`` compares our layers against, attention for attention
+    (``--spec megatron_fp8.megatron.plugin baseline_spec``)."""
+    if config is None:
+        raise TypeError("megatron_fp8.megatron.plugin.baseline_spec needs Megatron's model config")
+    install()
+    cfg = _transformer_config(config)
+    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
+    if getattr(cfg, "num_moe_experts", None):
+        spec = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                                normalization=getattr(cfg, "normalization", None),
+                                                qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
+    else:
+        spec = specs.get_gpt_layer_local_spec(getattr(cfg, "num_moe_experts", None), False,
+                                              bool(getattr(cfg, "qk_layernorm", False)),
+                                              normalization=getattr(cfg, "normalization", None))
+    return with_core_attention(spec, core_attention())
 
 
 def core_attention() -> str:

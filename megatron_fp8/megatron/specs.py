@@ -68,7 +68,7 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-__all__ = ["get_gpt_layer_spec", "to_fp8_spec", "import_megatron"]
+__all__ = ["get_gpt_layer_spec", "to_fp8_spec", "with_core_attention", "import_megatron"]
 
 
 def import_megatron(module: str, what: str) -> ModuleType:
@@ -244,6 +244,23 @@ def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str
             "to_fp8_spec(grouped_experts=True): the spec holds no MoE experts (SequentialMLP / GroupedMLP) to "
             "group; build it with num_experts set, or leave grouped_experts off"
         )
+    return out
+
+
+def with_core_attention(spec: Any, core_attention: str) -> Any:
+    """A copy of a megatron-core *local* spec with only its core attention swapped (``"sdpa"``:
+    ``attention.SDPAttention``; ``"local"``: unchanged) and Megatron's own linears kept: the
+    baseline that compares Megatron's layers with ours under the same attention."""
+    if core_attention not in CORE_ATTENTION:
+        _replacements(core_attention)  # raises, naming the choices
+    if core_attention == "local":
+        return spec
+    conv = _Converter()
+    dpa = import_megatron("megatron.core.transformer.dot_product_attention", "megatron_fp8 core attention")
+    conv.classes = {dpa.DotProductAttention: _replacements("sdpa")[dpa.DotProductAttention]}
+    out = conv(spec)
+    if conv.replaced == 0:
+        raise ValueError("with_core_attention: the spec holds no megatron-core DotProductAttention to replace")
     return out
 
 

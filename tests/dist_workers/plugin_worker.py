@@ -6,7 +6,8 @@ Categories of the JSON report:
 
 * ``build``: main's builder path (``layer_spec(model_config, vp_stage=...)`` on a
   ``GPTModelConfig``-like object) and the older path (the function passed through uncalled as
-  ``transformer_layer_spec``) build the same model: same parameters, same loss bitwise.
+  ``transformer_layer_spec``) build the same model: same parameters, same loss bitwise;
+  ``baseline_spec`` builds Megatron's own linears with the SDPA core attention.
 * ``gemms``: per recipe (Megatron's names and formats), one forward+backward of the model runs
   three FP8 GEMMs per decoder linear (``gemm.record_gemms()``), none of them high precision;
   the loss is within ``LOSS_RTOL`` of the FP8-off loss.
@@ -226,6 +227,24 @@ def check_moe(ck: Checker) -> None:
         compare_recompute(ck, f"moe {name}", off, on, last="decoder.layers.1.")
 
 
+def check_baseline_spec(ck: Checker, tp: int) -> None:
+    """``baseline_spec``: Megatron's own linears, the plug-in's core attention."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
+
+    from megatron_fp8.megatron.attention import SDPAttention
+
+    os.environ[plugin.ENV_CORE_ATTENTION] = "sdpa"
+    try:
+        model = GPTModel(config=_config(tp, None), transformer_layer_spec=plugin.baseline_spec(
+            SimpleNamespace(transformer=_config(tp, None))), vocab_size=VOCAB, max_sequence_length=SEQ,
+            position_embedding_type="rope")
+    finally:
+        del os.environ[plugin.ENV_CORE_ATTENTION]
+    attn = model.decoder.layers[0].self_attention
+    ck.true("build", isinstance(attn.core_attention, SDPAttention) and type(attn.linear_qkv) is MegatronColumn
+            and not _ours(model), f"baseline_spec built {type(attn.core_attention)} / {type(attn.linear_qkv)}")
+
+
 def check_errors(ck: Checker) -> None:
     for bad, match in ((None, "needs Megatron's model config"), (object(), "expected Megatron's model config")):
         try:
@@ -253,6 +272,7 @@ def main() -> int:
     _cpu_rng_shim()
     ck.guard("errors", "bad input to the plug-in", check_errors, ck)
     ck.guard("build", "main vs older builder path", check_builders, ck, world)
+    ck.guard("build", "the baseline spec", check_baseline_spec, ck, world)
     ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
