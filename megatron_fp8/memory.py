@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SavedTensor", "SavedTensors", "track_saved_tensors"]
+__all__ = ["SavedTensor", "SavedTensors", "track_saved_tensors", "audit"]
 
 
 @dataclass
@@ -125,3 +126,11 @@ def track_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensors
     finally:
         h1.remove()
         h2.remove()
+
+
+def audit(model: nn.Module, step: Any) -> Any:
+    """Where ``save_original_input`` and output-discarding recompute pay or cost in ``model``:
+    ``megatron_fp8.audit.audit`` (run ``step()``, one forward+backward, once)."""
+    from .audit import audit as _audit  # the audit builds on this module
+
+    return _audit(model, step)

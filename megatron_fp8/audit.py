@@ -1,0 +1,365 @@
+"""Memory audit: where ``save_original_input`` and output-discarding recompute pay, and where they
+cost, measured on one step of the user's model (``mf.memory.audit(model, step)``).
+
+``step()`` runs one forward+backward. During its forward the audit records, by storage identity
+(no guesses from module types):
+
+* every tensor autograd saves, and which module saved it;
+* the input of every megatron_fp8 linear (anything with a ``save_original_input`` flag) and the
+  FP8 recipe it ran under;
+* the output of every norm module (output-discarding recompute candidates).
+
+Per linear the flag saves the columnwise FP8 copy of its input (tokens x K bytes, plus 1x128 or
+1x32 scales for the block recipes) *if another module saves that input anyway*; otherwise the
+layer would keep the high-precision input alive by itself and the flag costs
+``input bytes - copy bytes``. FP8 off: the flag changes nothing. The report recommends the flag
+exactly where it saves bytes, and writes that as the ``layers:`` section of a megatron_fp8 YAML.
+
+``python -m megatron_fp8.audit --model gpt|moe [--core-attention sdpa|local] [--config X.yaml]
+[--write-config out.yaml] [--json] [--plot audit.png]`` audits a small megatron-core GPT built
+from our spec on CPU (megatron-core needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from .autocast import current_fp8_state
+from .memory import _is_parameter
+from .recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
+
+__all__ = ["audit", "AuditReport", "LinearAudit", "RecomputeCandidate", "columnwise_copy_bytes"]
+
+
+def columnwise_copy_bytes(recipe: Recipe | None, tokens: int, k: int) -> int:
+    """Bytes of the columnwise FP8 copy of a ``[tokens, k]`` input that a linear saves without the
+    flag: one byte an element, plus 1x128 (block) or 1x32 (MXFP8) scales along the tokens; a
+    per-tensor scale is saved on both paths, so it does not count. 0 with FP8 off."""
+    if recipe is None:
+        return 0
+    if isinstance(recipe, Float8BlockScaling):
+        return tokens * k + 4 * k * -(-tokens // 128)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return tokens * k + k * -(-tokens // 32)
+    return tokens * k
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class LinearAudit:
+    """One linear: its input, who else saves it, and what the flag does there."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    input_bytes: int
+    recipe: str
+    flag: bool
+    saved_by_others: list[str]
+    copy_bytes: int  # the columnwise FP8 copy the layer saves without the flag
+    flag_saves: int  # bytes the flag saves (negative: costs) against the flag off
+
+    @property
+    def recommended(self) -> bool:
+        return self.flag_saves > 0
+
+
+@dataclass
+class RecomputeCandidate:
+    """A norm whose output could be discarded after forward and recomputed before backward
+    (Megatron's ``--recompute-modules layernorm``)."""
+
+    name: str
+    output_bytes: int
+    saved_by: list[str]  # modules that save the output now
+    consumers_without_flag: list[str]  # megatron_fp8 linears reading it: discarding needs their flag on
+    frees: int  # bytes saved against now by discarding it with those flags on
+
+
+@dataclass
+class AuditReport:
+    linears: list[LinearAudit]
+    recompute: list[RecomputeCandidate]
+    activation_bytes: int  # unique non-parameter storages saved in forward, now
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def with_recommendation(self) -> int:
+        """Saved-activation bytes with ``recommend()`` applied (flags on where they pay, off
+        where they cost)."""
+        change = 0
+        for lin in self.linears:
+            if lin.recommended != lin.flag:
+                change += lin.flag_saves if lin.recommended else -lin.flag_saves
+        return self.activation_bytes - change
+
+    @property
+    def floor(self) -> int:
+        """Every recompute candidate discarded (its consumers flagged), and the recommendation
+        applied to the other linears."""
+        flagged = {n for c in self.recompute for n in c.consumers_without_flag}
+        rest = sum(lin.flag_saves for lin in self.linears
+                   if lin.name not in flagged and lin.recommended and not lin.flag)
+        return self.activation_bytes - rest - sum(c.frees for c in self.recompute)
+
+    def recommend(self) -> dict[str, dict[str, bool]]:
+        """``{module name: {"save_original_input": flag}}`` for every linear whose best flag
+        differs from its flag now, and every one where the flag pays."""
+        return {lin.name: {"save_original_input": lin.recommended} for lin in self.linears
+                if lin.recommended or lin.flag}
+
+    def to_yaml(self, path: str | None = None) -> str:
+        """The recommendation as a megatron_fp8 config's ``layers:`` section (loadable as is)."""
+        rules = [{"match": name, "save_original_input": v["save_original_input"]}
+                 for name, v in self.recommend().items()]
+        text = "# written by megatron_fp8.audit: save_original_input where another module saves the input\n"
+        text += yaml.safe_dump({"layers": rules}, sort_keys=False)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "linears": [dict(asdict(lin), recommended=lin.recommended) for lin in self.linears],
+            "recompute": [asdict(c) for c in self.recompute],
+            "totals": {"activation_bytes": self.activation_bytes, "with_recommendation": self.with_recommendation,
+                       "floor": self.floor},
+            "notes": self.notes,
+        }
+
+    def table(self) -> str:
+        rows = [f"{'linear':48} {'input':>16} {'recipe':>24} {'flag':>5} {'flag saves':>12}  saved also by"]
+        for lin in self.linears:
+            rows.append(f"{lin.name:48} {str(lin.input_shape):>16} {lin.recipe:>24} {str(lin.flag):>5} "
+                        f"{lin.flag_saves:>12,}  {', '.join(lin.saved_by_others) or '-'}")
+        if self.recompute:
+            rows.append("")
+            rows.append(f"{'recompute candidate':48} {'frees':>12}  consumers that need the flag")
+            for c in self.recompute:
+                rows.append(f"{c.name:48} {c.frees:>12,}  {', '.join(c.consumers_without_flag) or '-'}")
+        rows.append("")
+        rows.append(f"saved activations now {self.activation_bytes:,} B; with the recommendation "
+                    f"{self.with_recommendation:,} B; floor (every candidate recomputed) {self.floor:,} B")
+        rows.extend(self.notes)
+        return "\n".join(rows)
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 0.3 * len(self.linears) + 1.5))
+        vals = [lin.flag_saves / 2**20 for lin in self.linears]
+        ax.barh([lin.name for lin in self.linears], vals, color=["tab:green" if v > 0 else "tab:red" for v in vals])
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_xlabel("MiB the flag saves (green) or costs (red)")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+
+
+class _Recorder:
+    """The forward's saves, the linears' inputs and the norms' outputs, by storage."""
+
+    def __init__(self, model: nn.Module) -> None:
+        while isinstance(getattr(model, "module", None), nn.Module):  # Megatron's DDP / Float16Module
+            self.wrappers = getattr(self, "wrappers", ()) + (model,)
+            model = model.module
+        self.names = {id(m): n or type(m).__name__ for n, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.savers: dict[int, set[str]] = {}
+        self.nbytes: dict[int, int] = {}
+        self.params: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # storages stay alive (and their keys unique) while recorded
+        self.inputs: list[tuple[str, nn.Module, torch.Tensor, Recipe | None]] = []
+        self.norm_outputs: list[tuple[str, torch.Tensor]] = []
+
+    def pre(self, mod: nn.Module, args: Any) -> None:
+        name = self.names.get(id(mod), type(mod).__name__)
+        self.stack.append(name)
+        if hasattr(mod, "save_original_input") and args and isinstance(args[0], torch.Tensor):
+            state = current_fp8_state()
+            recipe = state.recipe if state is not None and state.enabled else None
+            self.inputs.append((name, mod, args[0], recipe))
+            self.keep.append(args[0])
+
+    def post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        name = self.stack.pop() if self.stack else type(mod).__name__
+        if "Norm" in type(mod).__name__ and isinstance(out, torch.Tensor) and not name.endswith("final_layernorm"):
+            self.norm_outputs.append((name, out))
+            self.keep.append(out)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:  # inside backward (a recompute): not the forward's
+            return t
+        key = _key(t)
+        self.savers.setdefault(key, set()).add(self.stack[-1] if self.stack else "<no module>")
+        self.nbytes[key] = t.untyped_storage().nbytes()
+        if _is_parameter(t):
+            self.params.add(key)
+        self.keep.append(t)
+        return t
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        h1 = nn.modules.module.register_module_forward_pre_hook(self.pre)
+        h2 = nn.modules.module.register_module_forward_hook(self.post, always_call=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+
+def _recipe_name(recipe: Recipe | None) -> str:
+    if recipe is None:
+        return "off"
+    fmt = getattr(recipe, "fp8_format", None)
+    return f"{type(recipe).__name__.replace('Scaling', '')}/{getattr(fmt, 'value', fmt)}"
+
+
+def audit(model: nn.Module, step: Callable[[], Any]) -> AuditReport:
+    """Run ``step()`` (one forward+backward of ``model``) once and report, per megatron_fp8
+    linear, what ``save_original_input`` saves or costs there, and per norm what discarding its
+    output would free (module docstring)."""
+    rec = _Recorder(model)
+    with rec.recording():
+        step()
+    linears: dict[str, LinearAudit] = {}
+    for name, mod, x, recipe in rec.inputs:
+        key = _key(x)
+        others = sorted(s for s in rec.savers.get(key, ()) if s != name)
+        tokens, k = x.numel() // x.shape[-1], x.shape[-1]
+        copy = columnwise_copy_bytes(recipe, tokens, k)
+        saves = 0 if recipe is None else copy if others else copy - x.untyped_storage().nbytes()
+        lin = LinearAudit(name, tuple(x.shape), x.untyped_storage().nbytes(), _recipe_name(recipe),
+                          bool(mod.save_original_input), others, copy, saves)
+        if name in linears:  # a layer called twice in the step: the worse call decides
+            saves = min(saves, linears[name].flag_saves)
+            lin.flag_saves = saves
+        linears[name] = lin
+    consumers: dict[int, set[str]] = {}
+    for name, mod, x, _ in rec.inputs:
+        if not mod.save_original_input:
+            consumers.setdefault(_key(x), set()).add(name)
+    recompute = []
+    for name, out in rec.norm_outputs:  # discarding frees the output where someone keeps it, and
+        # flagging its consumers for it drops their FP8 copies
+        need = sorted(consumers.get(_key(out), ()))
+        saved_by = sorted(rec.savers.get(_key(out), ()))
+        frees = (out.untyped_storage().nbytes() if saved_by else 0) + sum(linears[n].copy_bytes for n in need)
+        recompute.append(RecomputeCandidate(name, out.untyped_storage().nbytes(), saved_by, need, frees))
+    activations = sum(n for key, n in rec.nbytes.items() if key not in rec.params)
+    notes = []
+    if not rec.inputs:
+        notes.append("no megatron_fp8 linear ran in the step (nothing to audit)")
+    return AuditReport(list(linears.values()), recompute, activations, notes)
+
+
+# ---- command line: a small megatron-core GPT from our spec, on CPU ----
+def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from .megatron import get_gpt_layer_spec
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    moe = kind == "moe"
+    experts = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=True,
+                   moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=256,
+                   moe_router_load_balancing_type="none")
+    cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=512, use_cpu_initialization=True, params_dtype=torch.bfloat16,
+                            bf16=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+                            bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                            persist_layer_norm=False, normalization="RMSNorm", **(experts if moe else {}))
+    _cpu_accommodations()
+    spec = get_gpt_layer_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe, normalization="RMSNorm",
+                              core_attention=core_attention)
+    torch.manual_seed(0)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=256,
+                   position_embedding_type="learned_absolute")
+    from megatron.core.transformer.module import Float16Module
+
+    model = Float16Module(cfg, gpt)  # BF16 as Megatron trains it (module names keep the "module." prefix)
+    tokens = torch.randint(0, 1024, (2, 256))
+    pos = torch.arange(256).expand(2, 256)
+    mask = torch.ones(1, 1, 256, 256, dtype=torch.bool).tril().logical_not()
+
+    def step() -> None:
+        model(tokens, pos, mask, labels=tokens).float().mean().backward()
+
+    return model, step
+
+
+def _cpu_accommodations() -> None:
+    """This command runs the model on the CPU; megatron-core assumes CUDA in three places it
+    reaches here, which this process points at the CPU: the local attention's CUDA RNG fork (for
+    a dropout of 0), the router moving its weight to ``torch.cuda.current_device()``, and
+    megatron-core 0.16's router testing a TE-only name."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .config import apply_layer_flags, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_fp8.audit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("gpt", "moe"), default="gpt")
+    ap.add_argument("--core-attention", choices=("sdpa", "local"), default="sdpa")
+    ap.add_argument("--config", help="a megatron_fp8 YAML: its recipe, and its layers: flags applied first")
+    ap.add_argument("--write-config", help="write the recommendation as a layers: section here")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    ap.add_argument("--plot", help="write a bar chart of what the flag saves or costs per linear")
+    args = ap.parse_args(argv)
+    model, step = _gpt(args.model, args.core_attention)
+    cfg = load_config(args.config) if args.config else None
+    if cfg is not None and cfg.layers:
+        apply_layer_flags(model.module, cfg)  # names as in a GPTModel (inside Float16Module)
+    recipe = cfg.recipe() if cfg is not None else Float8BlockScaling()
+    report = audit(model, lambda: _in_region(step, recipe))
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
+    if args.write_config:
+        report.to_yaml(args.write_config)
+    if args.plot:
+        report.plot(args.plot)
+    return 0
+
+
+def _in_region(step: Callable[[], Any], recipe: Recipe) -> None:
+    from . import fp8_autocast
+
+    with fp8_autocast(fp8_recipe=recipe):
+        step()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
