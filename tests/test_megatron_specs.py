@@ -172,25 +172,37 @@ def test_grouped_experts_without_experts_is_an_error() -> None:
     assert _submodules(dense.submodules.mlp).linear_fc1 is ColumnParallelLinear
 
 
-def test_multi_latent_attention_is_refused_with_the_reason() -> None:
-    """megatron-core's MLA accepts only its own classes for the q/kv down-projections (an
-    identity check), so a converted MLA spec could never build: both entry points say so."""
+def test_multi_latent_attention_spec_uses_our_projections() -> None:
+    """MLA: megatron-core's MLASelfAttention (our subclass passes its down-projection class check)
+    with our five projections and the SDPA core; converting megatron-core's own MLA spec replaces
+    its attention class too, and asks for the SDPA core (its local attention cannot take MLA's head
+    sizes). Built and trained in tests/test_mla.py."""
     from megatron.core import tensor_parallel as mtp
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    with pytest.raises(ValueError, match="multi_latent_attention=True.*linear_q_down_proj / linear_kv_down_proj"):
-        get_gpt_layer_spec(multi_latent_attention=True)
-    sub = MLASelfAttentionSubmodules(linear_proj=mtp.RowParallelLinear, q_layernorm=IdentityOp,
-                                     kv_layernorm=IdentityOp, linear_q_down_proj=mtp.ColumnParallelLinear,
-                                     linear_q_up_proj=mtp.ColumnParallelLinear,
-                                     linear_kv_down_proj=mtp.ColumnParallelLinear,
-                                     linear_kv_up_proj=mtp.ColumnParallelLinear)
-    for spec in (ModuleSpec(module=MLASelfAttention, submodules=sub),
-                 functools.partial(MLASelfAttention, submodules=sub)):
-        with pytest.raises(ValueError, match=r"the spec holds \['MLASelfAttention'\].*megatron_fp8.blocks"):
-            to_fp8_spec(spec)
+    from megatron_fp8.megatron.attention import SDPAttention
+    from megatron_fp8.megatron.mla import __getattr__ as mla_class
+
+    ours = mla_class("MLASelfAttention")
+    assert issubclass(ours, MLASelfAttention)
+    spec = get_gpt_layer_spec(multi_latent_attention=True, qk_layernorm=True)
+    attn = spec.submodules.self_attention
+    assert attn.module is ours
+    sub = attn.submodules
+    assert (sub.linear_q_down_proj, sub.linear_kv_down_proj, sub.linear_q_up_proj, sub.linear_kv_up_proj) == \
+        (ColumnParallelLinear,) * 4 and sub.linear_proj is RowParallelLinear and sub.core_attention is SDPAttention
+    with pytest.raises(ValueError, match="multi-latent attention needs core_attention='sdpa'"):
+        get_gpt_layer_spec(multi_latent_attention=True, core_attention="local")
+    theirs = MLASelfAttentionSubmodules(linear_q_down_proj=mtp.ColumnParallelLinear,
+                                        linear_kv_down_proj=mtp.ColumnParallelLinear,
+                                        linear_proj=mtp.RowParallelLinear, q_layernorm=IdentityOp,
+                                        kv_layernorm=IdentityOp)
+    converted = to_fp8_spec(ModuleSpec(module=MLASelfAttention, submodules=theirs), core_attention="sdpa")
+    assert converted.module is ours and converted.submodules.linear_kv_down_proj is ColumnParallelLinear
+    with pytest.raises(ValueError, match=r"the spec holds \['MLASelfAttention'\].*core_attention='sdpa'"):
+        to_fp8_spec(ModuleSpec(module=MLASelfAttention, submodules=theirs))
 
 
 @pytest.mark.parametrize(

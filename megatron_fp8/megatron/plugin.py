@@ -70,10 +70,17 @@ def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
                         "calls it as layer_spec(config) or layer_spec(config, vp_stage=...)")
     install()
     cfg = _transformer_config(config)
+    if getattr(cfg, "multi_latent_attention", False):  # our MLA layer (megatron-core's MLA spec needs TE)
+        experts = getattr(cfg, "num_moe_experts", None)
+        if experts and getattr(cfg, "moe_layer_freq", 1) not in (1, None):
+            raise ValueError("megatron_fp8.megatron.plugin: multi-latent attention with moe_layer_freq != 1 is not "
+                             "supported (the plug-in builds one MLA layer spec for every layer); use "
+                             "--moe-layer-freq 1")
+        return get_gpt_layer_spec(experts, bool(getattr(cfg, "moe_grouped_gemm", False)),
+                                  bool(getattr(cfg, "qk_layernorm", False)), True,
+                                  getattr(cfg, "normalization", None), core_attention="sdpa")
     if getattr(cfg, "num_moe_experts", None):
         specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
-        if getattr(cfg, "multi_latent_attention", False):
-            get_gpt_layer_spec(multi_latent_attention=True)  # raises, with the reason
         block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
                                                  normalization=getattr(cfg, "normalization", None),
                                                  qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)

@@ -20,13 +20,12 @@ Megatron's. What is replaced:
 
 Norms, core attention, the router and the token dispatchers stay Megatron's.
 
-Multi-latent attention is refused with an error: megatron-core's ``MLASelfAttention`` accepts
-only its own classes (``Linear``, ``ColumnParallelLinear``, TE's) for ``linear_q_down_proj`` and
-``linear_kv_down_proj`` (an identity check in 0.16 and 0.19), so no other linear can sit there
-through a spec; and its local MLA spec does not build without Transformer Engine anyway (0.16.1:
-``DotProductAttention`` takes no ``k_channels``; 0.19.2: the local backend has no ``linear()``).
-``megatron_fp8.blocks`` (``NormProjections`` with q_down / kv_down, ``MLAUpProjAttention``)
-holds the MLA patterns on the package's own layers.
+Multi-latent attention (``multi_latent_attention=True``) uses ``mla.MLASelfAttention``:
+megatron-core's class made to accept our down-projections (its constructor checks the classes of
+``linear_q_down_proj`` / ``linear_kv_down_proj`` against its own), with all five projections
+ours and the SDPA core attention (megatron-core's local MLA spec does not build without TE:
+0.16.1's ``DotProductAttention`` takes no ``k_channels``, 0.19's local backend has no
+``linear()``).
 
 Usage::
 
@@ -144,17 +143,19 @@ class _Converter:
         self.classes = _replacements(core_attention)
         self.replaced = 0
         self.te_classes: list[str] = []
-        self.refused: set[type] = set()  # multi-latent attention: see _MLA_REFUSED
+        self.mla: list[str] = []  # multi-latent attention classes met (mla.py)
         with contextlib.suppress(ImportError):
             mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
-            self.refused = {getattr(mla, n) for n in ("MLASelfAttention", "MultiLatentAttention") if hasattr(mla, n)}
-        self.mla: list[str] = []
+            if hasattr(mla, "MLASelfAttention"):
+                from .mla import __getattr__ as _mla_class
+
+                self.classes[mla.MLASelfAttention] = _mla_class("MLASelfAttention")
 
     def __call__(self, obj: Any) -> Any:
         if isinstance(obj, type):
             return self._class(obj)
         module = self._builds(obj)
-        if module is not None and self.refused and issubclass(module, tuple(self.refused)):
+        if module is not None and "MultiLatentAttention" in {c.__name__ for c in module.__mro__}:
             self.mla.append(module.__name__)
         if module is not None and module in self.to_group:
             return self._grouped(obj)
@@ -207,11 +208,9 @@ class _Converter:
         return cls
 
 
-_MLA_REFUSED = (
-    "{where}: megatron-core's multi-latent attention accepts only its own classes for linear_q_down_proj / "
-    "linear_kv_down_proj (it checks them by identity), so megatron_fp8's linears cannot be placed there "
-    "through a spec (and its local MLA spec does not build without Transformer Engine). Build MLA from "
-    "megatron_fp8.blocks (NormProjections, MLAUpProjAttention), or use a standard-attention spec"
+_MLA_LOCAL = (
+    "{where}: multi-latent attention needs core_attention='sdpa' (megatron-core's local DotProductAttention "
+    "cannot take MLA's query/key head size, which differs from the value's)"
 )
 
 
@@ -226,8 +225,8 @@ def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str
     ``grouped_experts``, no experts to group."""
     conv = _Converter(grouped_experts, core_attention)
     out = conv(spec)
-    if conv.mla:
-        raise ValueError(_MLA_REFUSED.format(where=f"to_fp8_spec: the spec holds {sorted(set(conv.mla))}"))
+    if conv.mla and core_attention != "sdpa":
+        raise ValueError(_MLA_LOCAL.format(where=f"to_fp8_spec: the spec holds {sorted(set(conv.mla))}"))
     if conv.te_classes:
         raise ValueError(
             f"to_fp8_spec: the spec holds Transformer Engine linears {sorted(set(conv.te_classes))}, which "
@@ -278,8 +277,14 @@ def get_gpt_layer_spec(
     ``"RMSNorm"`` or None (LayerNorm); ``core_attention``: ``"sdpa"`` (``attention.SDPAttention``,
     the default on CUDA) or ``"local"`` (megatron-core's ``DotProductAttention``, the default
     elsewhere)."""
-    if multi_latent_attention:
-        raise ValueError(_MLA_REFUSED.format(where="get_gpt_layer_spec(multi_latent_attention=True)"))
+    if multi_latent_attention:  # our MLA attention (mla.py) in the local layer: its MLA spec needs TE in 0.19+
+        if core_attention == "local":
+            raise ValueError(_MLA_LOCAL.format(where="get_gpt_layer_spec(multi_latent_attention=True)"))
+        from .attention import SDPAttention
+        from .mla import with_mla
+
+        base = get_gpt_layer_spec(num_experts, moe_grouped_gemm, False, False, normalization, False, "local")
+        return with_mla(base, qk_layernorm, SDPAttention)
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.get_gpt_layer_spec")
     local = getattr(specs, "get_gpt_layer_local_spec", None)
     if local is None:

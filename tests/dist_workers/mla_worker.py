@@ -1,0 +1,148 @@
+"""torchrun worker (2 ranks, gloo, CPU): multi-latent attention with megatron_fp8's projections
+(``get_gpt_layer_spec(multi_latent_attention=True)``), at TP=2 and TP=1.
+
+Categories of the JSON report:
+
+* ``build``: every MLA projection is ours, the core attention is the SDPA one; two training
+  steps under block scaling give finite, falling losses.
+* ``flags``: ``save_original_input`` on ``linear_q_down_proj`` and ``linear_kv_down_proj``: loss
+  and every gradient bitwise equal to the flags off.
+* ``bytes``: with those flags and ``--recompute-modules layernorm`` (the input layernorm's output,
+  which both read, discarded after forward and recomputed; the pre-MLP norm's too, so ``fc1``
+  is flagged as well), the saved activations still live at the end of forward drop by exactly
+  the columnwise FP8 copies of those three inputs per layer.
+* ``up_proj``: ``--recompute-modules mla_up_proj`` (q/k/v of the up-projections discarded):
+  loss bitwise, gradients within ``RECOMPUTE_RTOL``.
+
+The plug-in is imported: megatron-core's output-discarding recompute runs on ours here.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from common import Checker, init_gloo, shutdown
+from mcore_worker import _cpu_shims
+from spec_worker import _cpu_rng_shim
+
+warnings.filterwarnings("ignore")
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
+
+import megatron_fp8 as mf  # noqa: E402
+from megatron_fp8.audit import columnwise_copy_bytes  # noqa: E402
+from megatron_fp8.config import FP8Config, LayerRule, apply_layer_flags  # noqa: E402
+from megatron_fp8.megatron import get_gpt_layer_spec, plugin  # noqa: E402
+from megatron_fp8.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron_fp8.recipe import Float8BlockScaling, Float8CurrentScaling  # noqa: E402
+
+S, B, VOCAB, HIDDEN = 128, 2, 512, 256
+RECOMPUTE_RTOL = 1e-5
+RECIPE = Float8BlockScaling()
+
+
+def _config(tp: int, recompute: list[str] | None = None) -> MLATransformerConfig:
+    extra = dict(recompute_granularity="selective", recompute_modules=recompute) if recompute else {}
+    return MLATransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=512, tensor_model_parallel_size=tp,
+        q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=128, v_head_dim=64,
+        rope_type="rope", use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, normalization="RMSNorm", **extra)
+
+
+def _model(tp: int, recompute: list[str] | None = None, flags: bool = False) -> GPTModel:
+    torch.manual_seed(0)
+    spec = get_gpt_layer_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(config=_config(tp, recompute), transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=S, position_embedding_type="rope")
+    if flags:  # the down-projections; with layernorm recompute, the pre-MLP norm's consumer too
+        rules = ["*.linear_q_down_proj", "*.linear_kv_down_proj"] + (["*.mlp.linear_fc1"] if recompute else [])
+        apply_layer_flags(model, FP8Config(layers=[LayerRule(match=r, save_original_input=True) for r in rules]))
+    return model
+
+
+def _step(model: GPTModel, track: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (B, S), generator=g)
+    pos = torch.arange(S).expand(B, S)
+    mask = torch.ones(1, 1, S, S, dtype=torch.bool).tril().logical_not()
+    model.zero_grad(set_to_none=True)
+    with mf.fp8_autocast(fp8_recipe=RECIPE), mf.memory.track_saved_tensors(model) as saved:
+        loss = model(tokens, pos, mask, labels=tokens).float().mean()
+    live = saved.live_bytes()  # at the end of forward: a discarded output counts 0
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, live
+
+
+def check_build(ck: Checker, tp: int) -> None:
+    from megatron_fp8.megatron.attention import SDPAttention
+
+    model = _model(tp)
+    attn = model.decoder.layers[0].self_attention
+    cols = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+    ck.true("build", all(type(getattr(attn, n)) is ColumnParallelLinear for n in cols)
+            and type(attn.linear_proj) is RowParallelLinear and isinstance(attn.core_attention, SDPAttention),
+            f"TP={tp}: MLA holds {[type(getattr(attn, n)).__name__ for n in cols]}")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss, _, _ = _step(model)
+        opt.step()
+        losses.append(loss.item())
+    ck.true("build", all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0],
+            f"TP={tp}: losses {losses}")
+
+
+def check_flags_and_bytes(ck: Checker, tp: int) -> None:
+    loss0, grads0, live0 = _step(_model(tp))
+    loss1, grads1, _ = _step(_model(tp, flags=True))
+    ck.bitwise("flags", f"TP={tp} loss", loss1, loss0)
+    for n, g in grads0.items():
+        ck.bitwise("flags", f"TP={tp} grad {n}", grads1.get(n), g)
+    recomputed = _model(tp, recompute=["layernorm"], flags=True)
+    _, _, live2 = _step(recomputed)
+    norm = recomputed.decoder.layers[0].input_layernorm  # what a norm saves for its own backward, which a
+    with mf.memory.track_saved_tensors() as own:         # norm run without a graph (then replayed) does not
+        norm(torch.randn(S, B, HIDDEN, requires_grad=True))
+    copies = 3 * columnwise_copy_bytes(RECIPE, S * B, HIDDEN)  # q_down, kv_down, fc1 (2-D input: S*B tokens)
+    want = 2 * (copies + 2 * (own.activation_bytes - S * B * HIDDEN * 4))  # two layers, two norms; less the input
+    ck.true("bytes", live0 - live2 == want, f"TP={tp}: live bytes dropped by {live0 - live2}, expected {want} "
+                                            f"({copies} in FP8 copies a layer, the norms' own {own.table()})")
+
+
+def check_up_proj_recompute(ck: Checker, tp: int) -> None:
+    global RECIPE
+    RECIPE = Float8CurrentScaling()
+    try:
+        loss0, grads0, _ = _step(_model(tp))
+        loss1, grads1, _ = _step(_model(tp, recompute=["mla_up_proj"]))
+    finally:
+        RECIPE = Float8BlockScaling()
+    ck.bitwise("up_proj", f"TP={tp} loss", loss1, loss0)
+    for n, g in grads0.items():
+        ck.close("up_proj", f"TP={tp} grad {n}", grads1.get(n), g, RECOMPUTE_RTOL)
+
+
+def main() -> int:
+    rank, world = init_gloo()
+    _cpu_shims()
+    plugin.install()
+    ck = Checker(rank)
+    for tp in (world, 1):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        _cpu_rng_shim()
+        ck.guard("build", f"MLA GPT at TP={tp}", check_build, ck, tp)
+        ck.guard("flags", f"MLA flags at TP={tp}", check_flags_and_bytes, ck, tp)
+        ck.guard("up_proj", f"mla_up_proj recompute at TP={tp}", check_up_proj_recompute, ck, tp)
+        parallel_state.destroy_model_parallel()
+    code = ck.report()
+    shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

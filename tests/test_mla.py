@@ -1,0 +1,46 @@
+"""Multi-latent attention with megatron_fp8's projections (``megatron_fp8.megatron.mla``), on CPU
+through torchrun (``dist_workers/mla_worker.py``, 2 ranks, TP=2 and TP=1): the model builds and
+trains; ``save_original_input`` on the q/kv down-projections is bitwise neutral; with layernorm
+recompute the live saved bytes drop by exactly the FP8 copies the flags remove (plus what the
+recomputed norms no longer save for themselves); the ``mla_up_proj`` recompute keeps the loss
+bitwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_workers.launch import WorkerRun, run_workers
+
+pytest.importorskip("megatron.core")
+
+_run: dict[str, WorkerRun] = {}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if "r" not in _run:
+        _run["r"] = run_workers("mla_worker.py", 2, timeout=400)
+    return _run["r"].fail_if_broken()
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_mla_builds_and_trains_at_tp2_and_tp1(report: dict) -> None:
+    assert report["counts"]["build"] == 2 * 2 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_down_projection_flags_bitwise_and_bytes_exact(report: dict) -> None:
+    assert report["counts"]["flags"] >= 2 * 20 * report["world"]  # per TP: the loss and every gradient
+    assert report["counts"]["bytes"] == 2 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_mla_up_proj_recompute(report: dict) -> None:
+    assert report["counts"]["up_proj"] >= 2 * 20 * report["world"]
+    assert report["max_rel"]["up_proj"] <= 1e-5
+    assert report["failures"] == 0
