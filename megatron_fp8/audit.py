@@ -15,7 +15,7 @@ layer would keep the high-precision input alive by itself and the flag costs
 ``input bytes - copy bytes``. FP8 off: the flag changes nothing. The report recommends the flag
 exactly where it saves bytes, and writes that as the ``layers:`` section of a megatron_fp8 YAML.
 
-``python -m megatron_fp8.audit --model gpt|moe [--core-attention sdpa|local] [--config X.yaml]
+``python -m megatron_fp8.audit --model gpt|moe|mla [--core-attention sdpa|local] [--config X.yaml]
 [--write-config out.yaml] [--json] [--plot audit.png]`` audits a small megatron-core GPT built
 from our spec on CPU (megatron-core needed).
 """
@@ -58,20 +58,27 @@ def _key(t: torch.Tensor) -> int:
 
 @dataclass
 class LinearAudit:
-    """One linear: its input, who else saves it, and what the flag does there."""
+    """One linear: its input, who else saves it, and what the flag does there.
+
+    Linears that read the same input (``shares_input_with``: e.g. MLA's q and kv
+    down-projections) are decided together: with the flag on all of them they keep that one
+    storage instead of one FP8 copy each. ``flag_saves`` is this layer's share of what the flag
+    on the whole group saves (negative: costs) against the flag off; the group's total decides."""
 
     name: str
     input_shape: tuple[int, ...]
     input_bytes: int
     recipe: str
     flag: bool
-    saved_by_others: list[str]
+    saved_by_others: list[str]  # modules other than the group's linears that save the input
+    shares_input_with: list[str]
     copy_bytes: int  # the columnwise FP8 copy the layer saves without the flag
-    flag_saves: int  # bytes the flag saves (negative: costs) against the flag off
+    flag_saves: int
+    group_saves: int  # what the flag on every linear of the group saves
 
     @property
     def recommended(self) -> bool:
-        return self.flag_saves > 0
+        return self.group_saves > 0
 
 
 @dataclass
@@ -93,24 +100,38 @@ class AuditReport:
     activation_bytes: int  # unique non-parameter storages saved in forward, now
     notes: list[str] = field(default_factory=list)
 
+    def _group_bytes(self, members: list[LinearAudit], flagged: set[str]) -> int:
+        """What a group of linears reading one input keeps for it: the FP8 copies of the
+        unflagged ones, and the input itself where a flagged one keeps it alone."""
+        keeps_input = any(m.name in flagged for m in members) and not members[0].saved_by_others
+        return sum(m.copy_bytes for m in members if m.name not in flagged) + (members[0].input_bytes
+                                                                            if keeps_input else 0)
+
+    def _groups(self) -> list[list[LinearAudit]]:
+        groups: dict[tuple[str, ...], list[LinearAudit]] = {}
+        for lin in self.linears:
+            groups.setdefault(tuple(sorted([lin.name, *lin.shares_input_with])), []).append(lin)
+        return list(groups.values())
+
+    def _bytes_with(self, flagged: set[str]) -> int:
+        now = {lin.name for lin in self.linears if lin.flag}
+        return self.activation_bytes - sum(self._group_bytes(g, now) - self._group_bytes(g, flagged)
+                                           for g in self._groups())
+
     @property
     def with_recommendation(self) -> int:
         """Saved-activation bytes with ``recommend()`` applied (flags on where they pay, off
         where they cost)."""
-        change = 0
-        for lin in self.linears:
-            if lin.recommended != lin.flag:
-                change += lin.flag_saves if lin.recommended else -lin.flag_saves
-        return self.activation_bytes - change
+        return self._bytes_with({lin.name for lin in self.linears if lin.recommended})
 
     @property
     def floor(self) -> int:
         """Every recompute candidate discarded (its consumers flagged), and the recommendation
         applied to the other linears."""
         flagged = {n for c in self.recompute for n in c.consumers_without_flag}
-        rest = sum(lin.flag_saves for lin in self.linears
-                   if lin.name not in flagged and lin.recommended and not lin.flag)
-        return self.activation_bytes - rest - sum(c.frees for c in self.recompute)
+        rest = {lin.name for lin in self.linears if lin.recommended and lin.name not in flagged}
+        return self._bytes_with(rest | {lin.name for lin in self.linears if lin.flag and lin.name in flagged}) - \
+            sum(c.frees for c in self.recompute)
 
     def recommend(self) -> dict[str, dict[str, bool]]:
         """``{module name: {"save_original_input": flag}}`` for every linear whose best flag
@@ -141,8 +162,11 @@ class AuditReport:
     def table(self) -> str:
         rows = [f"{'linear':48} {'input':>16} {'recipe':>24} {'flag':>5} {'flag saves':>12}  saved also by"]
         for lin in self.linears:
+            also = ", ".join(lin.saved_by_others) or "-"
+            if lin.shares_input_with:
+                also += f" (decided with {', '.join(lin.shares_input_with)}: {lin.group_saves:,} together)"
             rows.append(f"{lin.name:48} {str(lin.input_shape):>16} {lin.recipe:>24} {str(lin.flag):>5} "
-                        f"{lin.flag_saves:>12,}  {', '.join(lin.saved_by_others) or '-'}")
+                        f"{lin.flag_saves:>12,}  {also}")
         if self.recompute:
             rows.append("")
             rows.append(f"{'recompute candidate':48} {'frees':>12}  consumers that need the flag")
@@ -238,19 +262,24 @@ def audit(model: nn.Module, step: Callable[[], Any]) -> AuditReport:
     rec = _Recorder(model)
     with rec.recording():
         step()
+    readers: dict[int, set[str]] = {}
+    for name, _, x, _ in rec.inputs:
+        readers.setdefault(_key(x), set()).add(name)
     linears: dict[str, LinearAudit] = {}
     for name, mod, x, recipe in rec.inputs:
-        key = _key(x)
-        others = sorted(s for s in rec.savers.get(key, ()) if s != name)
+        if name in linears:  # a layer called twice in a step: its first call decides
+            continue
+        key, group = _key(x), readers[_key(x)]
+        others = sorted(s for s in rec.savers.get(key, ()) if s not in group)
         tokens, k = x.numel() // x.shape[-1], x.shape[-1]
         copy = columnwise_copy_bytes(recipe, tokens, k)
-        saves = 0 if recipe is None else copy if others else copy - x.untyped_storage().nbytes()
-        lin = LinearAudit(name, tuple(x.shape), x.untyped_storage().nbytes(), _recipe_name(recipe),
-                          bool(mod.save_original_input), others, copy, saves)
-        if name in linears:  # a layer called twice in the step: the worse call decides
-            saves = min(saves, linears[name].flag_saves)
-            lin.flag_saves = saves
-        linears[name] = lin
+        size = x.untyped_storage().nbytes()
+        share = 0 if others or recipe is None else size // len(group) + (size % len(group) if name == min(group)
+                                                                         else 0)
+        linears[name] = LinearAudit(name, tuple(x.shape), size, _recipe_name(recipe), bool(mod.save_original_input),
+                                    others, sorted(group - {name}), copy, copy - share if recipe else 0, 0)
+    for lin in linears.values():  # the group decides together
+        lin.group_saves = sum(linears[n].flag_saves for n in [lin.name, *lin.shares_input_with])
     consumers: dict[int, set[str]] = {}
     for name, mod, x, _ in rec.inputs:
         if not mod.save_original_input:
@@ -282,21 +311,27 @@ def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    moe = kind == "moe"
+    moe, mla = kind == "moe", kind == "mla"
     experts = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=True,
                    moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=256,
                    moe_router_load_balancing_type="none")
-    cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=512, use_cpu_initialization=True, params_dtype=torch.bfloat16,
-                            bf16=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-                            bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-                            persist_layer_norm=False, normalization="RMSNorm", **(experts if moe else {}))
+    common = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+                  use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0,
+                  attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                  gradient_accumulation_fusion=False, persist_layer_norm=False, normalization="RMSNorm")
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        cfg = MLATransformerConfig(**common, q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64,
+                                   qk_pos_emb_head_dim=128, v_head_dim=64, rope_type="rope")
+    else:
+        cfg = TransformerConfig(**common, num_query_groups=2, **(experts if moe else {}))
     _cpu_accommodations()
     spec = get_gpt_layer_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe, normalization="RMSNorm",
-                              core_attention=core_attention)
+                              multi_latent_attention=mla, qk_layernorm=mla, core_attention=core_attention)
     torch.manual_seed(0)
     gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=256,
-                   position_embedding_type="learned_absolute")
+                   position_embedding_type="rope" if mla else "learned_absolute")  # MLA applies RoPE itself
     from megatron.core.transformer.module import Float16Module
 
     model = Float16Module(cfg, gpt)  # BF16 as Megatron trains it (module names keep the "module." prefix)
@@ -320,6 +355,7 @@ def _cpu_accommodations() -> None:
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        # (MLA's RoPE moves its frequencies there too)
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -333,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m megatron_fp8.audit", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("gpt", "moe"), default="gpt")
+    ap.add_argument("--model", choices=("gpt", "moe", "mla"), default="gpt")
     ap.add_argument("--core-attention", choices=("sdpa", "local"), default="sdpa")
     ap.add_argument("--config", help="a megatron_fp8 YAML: its recipe, and its layers: flags applied first")
     ap.add_argument("--write-config", help="write the recommendation as a layers: section here")

@@ -60,8 +60,8 @@ def test_recommends_exactly_where_another_module_saves_the_input(recipe: object,
     data = json.loads(json.dumps(report.to_json()))
     assert set(data) == {"linears", "recompute", "totals", "notes"}
     assert set(data["totals"]) == {"activation_bytes", "with_recommendation", "floor"}
-    assert {"name", "input_shape", "input_bytes", "recipe", "flag", "saved_by_others", "copy_bytes", "flag_saves",
-            "recommended"} == set(data["linears"][0])
+    assert {"name", "input_shape", "input_bytes", "recipe", "flag", "saved_by_others", "shares_input_with",
+            "copy_bytes", "flag_saves", "group_saves", "recommended"} == set(data["linears"][0])
     png = os.path.join(tmp_path, "audit.png")
     report.plot(png)
     assert os.path.getsize(png) > 1000
@@ -102,3 +102,10 @@ def test_megatron_gpt_dense_moe_and_local_attention(tmp_path: str) -> None:
                    for m in ("self_attention.linear_proj", "mlp.shared_experts.linear_fc1")}
     again = _cli("--model", "moe", "--config", flags)
     assert again["totals"]["activation_bytes"] == moe["totals"]["with_recommendation"]
+    mla = _cli("--model", "mla")  # the q / kv down-projections read one input: decided together
+    rec = {lin["name"] for lin in mla["linears"] if lin["recommended"]}
+    downs = {f"decoder.layers.{i}.self_attention.linear_{p}_down_proj" for i in range(2) for p in ("q", "kv")}
+    assert rec == downs  # BF16 input kept once vs two FP8 copies: the block scales tip it
+    assert all(lin["group_saves"] == 2 * copy - tokens * hidden * 2 for lin in mla["linears"] if lin["name"] in downs)
+    norms = {c["name"]: c for c in mla["recompute"]}
+    assert norms["decoder.layers.0.input_layernorm"]["frees"] == 2 * copy  # with layernorm recompute: both copies
