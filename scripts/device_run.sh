@@ -22,7 +22,7 @@ for what in "${steps[@]}"; do
     # timing against the two-launch cast
     persistent) timeout 300 python3 -m pytest -q -x -p no:logging tests/test_persistent_cast.py 2>&1 | tee "$OUT/persistent_tests.log"
       MEGATRON_FP8_ONE_LAUNCH_CAST=0 timeout 420 python3 -m pytest -q -p no:logging tests/test_*gpu*.py tests/test_grouped.py 2>&1 | tee "$OUT/gpu_tests_two_launch.log"
-      timeout 200 python3 scripts/bench_current_cast.py 2>&1 | tee "$OUT/bench_current_cast.log" ;;
+      timeout 200 python3 scripts/probes/bench_current_cast.py 2>&1 | tee "$OUT/bench_current_cast.log" ;;
     # CUDA graphs: the capture/replay tests (several layers' graphs replayed after all captures),
     # then where a graphed grouped step's time goes (kernels and the gaps between them)
     graphs) timeout 300 python3 -m pytest -q -p no:logging tests/test_cuda_graph_gpu.py 2>&1 | tee "$OUT/graph_tests.log"
@@ -32,26 +32,26 @@ for what in "${steps[@]}"; do
     grouped) python3 scripts/bench_grouped.py ${GROUPED_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_grouped.log" ;;
     # the same with cuBLASLt's workspace off (no stream-K memsets before the experts' GEMMs; README)
     grouped-ws0) mkdir -p "$OUT/ws0"; CUBLASLT_WORKSPACE_SIZE=0 python3 scripts/bench_grouped.py ${GROUPED_ARGS:-} --out "$OUT/ws0" 2>&1 | tee "$OUT/bench_grouped_ws0.log" ;;
-    casts) python3 scripts/profile_casts.py ${CAST_ARGS:-} 2>&1 | tee "$OUT/profile_casts.log" ;;
-    variants) (cd scripts && python3 probe_cast_variants.py && python3 probe_cast_variants.py --segments && python3 probe_cast_variants.py --segments --lookup old) 2>&1 | tee "$OUT/probe_cast_variants.log" ;;
+    casts) python3 scripts/probes/profile_casts.py ${CAST_ARGS:-} 2>&1 | tee "$OUT/profile_casts.log" ;;
+    variants) (cd scripts/probes && python3 probe_cast_variants.py && python3 probe_cast_variants.py --segments && python3 probe_cast_variants.py --segments --lookup old) 2>&1 | tee "$OUT/probe_cast_variants.log" ;;
     # the CUDA C tile cast in every mode (1x128, 128x128, tensor) against the Triton cast, bitwise, timed
-    cudacast) (cd scripts && python3 probe_cuda_cast.py) 2>&1 | tee "$OUT/probe_cuda_cast.log" ;;
+    cudacast) (cd scripts/probes && python3 probe_cuda_cast.py) 2>&1 | tee "$OUT/probe_cuda_cast.log" ;;
     # the experts' GEMMs of a graphed step on 1, 2 or 3 streams (filling each GEMM's last wave), bitwise
-    streams) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gemm_streams.py) 2>&1 | tee "$OUT/probe_gemm_streams.log" ;;
+    streams) (cd scripts/probes && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gemm_streams.py) 2>&1 | tee "$OUT/probe_gemm_streams.log" ;;
     # our Gluon kernels for the blocks wgrad against cuBLAS per expert, timed; exits non-zero on a wrong result
-    gluonwgrad) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gluon_wgrad.py ${GW_ARGS:-}) 2>&1 | tee "$OUT/probe_gluon_wgrad.log" ;;
+    gluonwgrad) (cd scripts/probes && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_gluon_wgrad.py ${GW_ARGS:-}) 2>&1 | tee "$OUT/probe_gluon_wgrad.log" ;;
     # cuBLASLt's kernels for the blocks wgrad / dgrad beyond torch's first heuristic answer, timed, bitwise
-    ltalgos) (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
+    ltalgos) (cd scripts/probes && CUBLASLT_WORKSPACE_SIZE=0 python3 probe_cublaslt_algos.py ${LT_ARGS:-}) 2>&1 | tee "$OUT/probe_cublaslt_algos.log" ;;
     # CUTLASS 4.2's SM90 blockwise-scaled kernels against cuBLAS per expert, built here with nvcc from
     # the carried nvidia-cutlass wheel's headers, timed, bitwise
     cutlass) if [ ! -d /tmp/site/cutlass_library/source/include ]; then
         echo "cutlass: no CUTLASS headers under /tmp/site: carry nvidia_cutlass-*.whl in .whl" | tee "$OUT/probe_cutlass_blockwise.log"; continue
       fi
-      (cd scripts && CUBLASLT_WORKSPACE_SIZE=0 timeout 540 python3 probe_cutlass_blockwise.py \
+      (cd scripts/probes && CUBLASLT_WORKSPACE_SIZE=0 timeout 540 python3 probe_cutlass_blockwise.py \
         --cutlass /tmp/site/cutlass_library/source --build /tmp/cutlass_build --jobs "$(nproc)") 2>&1 | tee "$OUT/probe_cutlass_blockwise.log" ;;
     steps) python3 scripts/profile_steps.py 2>&1 | tee "$OUT/profile_steps.log" ;;
-    probe) python3 scripts/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
-    tgemm) python3 scripts/bench_triton_grouped.py 2>&1 | tee "$OUT/bench_triton_grouped.log" ;;
+    probe) python3 scripts/probes/probe_grouped_mm.py 2>&1 | tee "$OUT/probe.log" ;;
+    tgemm) python3 scripts/probes/bench_triton_grouped.py 2>&1 | tee "$OUT/bench_triton_grouped.log" ;;
     trace) python3 scripts/trace_step.py --out /tmp/traces 2>&1 | tee "$OUT/trace_step.log" ;;
     # Megatron-LM's pretrain_gpt.py (a checkout carried in .megatron_lm, git-ignored) with our plug-in:
     # MEGATRON_ARGS go to bench_megatron.py (e.g. "--smoke --configs dense-1b,moe --layers 2")

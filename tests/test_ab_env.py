@@ -1,4 +1,4 @@
-"""``scripts/ab_env.py`` (A/B of environment settings over fresh benchmark processes) on CPU, with a
+"""``scripts/probes/ab_env.py`` (A/B of environment settings over fresh benchmark processes) on CPU, with a
 stand-in benchmark that writes a table from its environment: the settings alternate round by
 round, every reading is kept, and medians and ratios come from the readings."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "probes"))
 import ab_env  # noqa: E402 - a script, found through the path set above
 
 FAKE = '''
@@ -35,7 +35,7 @@ def _run(tmp_path: Path, *extra: str) -> tuple[str, list[str]]:
     fake.write_text(FAKE)
     log = tmp_path / "order.log"
     env = {**os.environ, "FAKE_LOG": str(log)}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_env.py"), "--set", "FAKE_MS=1",
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "probes" / "ab_env.py"), "--set", "FAKE_MS=1",
                            "--set", "FAKE_MS=1.5", "--rounds", "2", *extra, "--", str(fake), "--scale", "2"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -46,7 +46,7 @@ def _build(options: list[str]) -> tuple[int, str]:
 
 
 # (blocks an SM, KFAST, STREAM, NOCLAMP): the package's builds (3, KFAST, STREAM, with and without
-# the clamp) and every variant scripts/probe_cuda_cast.py times, in every mode and format
+# the clamp) and every variant scripts/probes/probe_cuda_cast.py times, in every mode and format
 VARIANTS = [(3, 1, 1, 1), (3, 1, 1, 0), (3, 0, 0, 0), (4, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1),
             (4, 0, 0, 1)]
 CONFIGS = [(mode, e5m2, *v) for mode, e5m2, v in itertools.product((0, 1, 2), (0, 1), VARIANTS)]

@@ -67,7 +67,7 @@ def test_grouped_equals_linears_and_flag_on_cuda(name: str, monkeypatch: pytest.
             yr = ref(xr)
         yr.backward(di)
         # bitwise also where one torch._scaled_grouped_mm ran: it matched the per-expert cuBLAS
-        # GEMMs bit for bit on the H200 (observed, here and in scripts/probe_grouped_mm.py, for
+        # GEMMs bit for bit on the H200 (observed, here and in scripts/probes/probe_grouped_mm.py, for
         # both accumulation modes; not a documented guarantee of the two kernels)
         assert torch.equal(off[0].split(SPLITS)[i], yr)
         assert torch.equal(off[1].split(SPLITS)[i], xr.grad)

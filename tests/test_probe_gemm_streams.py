@@ -1,4 +1,4 @@
-"""``scripts/probe_gemm_streams.py --check``: the probe's operands (cast by the package in one
+"""``scripts/probes/probe_gemm_streams.py --check``: the probe's operands (cast by the package in one
 launch per tensor, as ``GroupedLinear`` casts them) and its per-expert GEMMs, on small shapes,
 each product within FP8 error of its BF16 one. Needs the one-launch casts: CUDA, or Triton's
 interpreter on CPU (CI runs this file under ``TRITON_INTERPRET=1``)."""
@@ -15,7 +15,7 @@ import torch
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "probes"))
 import probe_gemm_streams  # noqa: E402
 
 

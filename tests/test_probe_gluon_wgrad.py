@@ -1,4 +1,4 @@
-"""``scripts/probe_gluon_wgrad.py`` and its Gluon kernel (``scripts/gluon_wgrad.py``) without a GPU:
+"""``scripts/probes/probe_gluon_wgrad.py`` and its Gluon kernel (``scripts/probes/gluon_wgrad.py``) without a GPU:
 the buffers the probe hands the kernel hold each expert's wgrad operands and scales where the
 kernel reads them (needs the one-launch casts: CUDA, or Triton's interpreter on CPU), and the
 ``cp.async`` kernel and the warp-specialized TMA one build for SM90 in their wrappers' default
@@ -19,7 +19,7 @@ import torch
 from megatron_fp8.testing import same_bits
 
 pytest.importorskip("triton.experimental.gluon")
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts" / "probes")
 sys.path.insert(0, SCRIPTS)
 import probe_gluon_wgrad  # noqa: E402
 

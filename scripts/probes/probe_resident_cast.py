@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -32,6 +33,9 @@ from megatron_fp8.quant.triton_scale import _tensor_scale
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 
 @triton.jit

@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from probe_gemm_streams import SHAPES, Pair, gemm_sets, on_streams
@@ -46,6 +48,9 @@ OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
 DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
 # SCALAR_32F, VEC128_32F, BLK128x128_32F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+
 SCALE_MODES = {ScaleLayout.TENSOR: 0, ScaleLayout.BLOCK_1x128: 4, ScaleLayout.BLOCK_128x128: 5}
 PREF_MAX_WORKSPACE_BYTES = 1
 CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS = 2, 6, 7, 13

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies  # noqa: E4
 from megatron_fp8.testing import capture_step, same_bits  # noqa: E402
 
 F8 = torch.float8_e4m3fn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+
 SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
 # (blocks an SM, KFAST, STREAM, NOCLAMP): the package's build first, then its first build and each
 # switch alone

@@ -24,6 +24,8 @@ microseconds (median) and bandwidth over the least bytes (2 + 1 + 1 per element)
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -35,6 +37,9 @@ from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _pow2_scale, _quan
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 
 @triton.jit

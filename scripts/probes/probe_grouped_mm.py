@@ -7,9 +7,13 @@
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import median_ms
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2

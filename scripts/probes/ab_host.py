@@ -14,9 +14,12 @@ import importlib
 import pkgutil
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import host_and_device_ms, markdown_table, train_step
 
 

@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -16,8 +16,12 @@ segment casts leave them.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import environment, markdown_table, median_ms
 
 from megatron_fp8 import triton_grouped as tg

@@ -31,11 +31,15 @@ import concurrent.futures
 import ctypes
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import rel_error
 from probe_gemm_streams import SHAPES, Pair, gemm_sets, on_streams
 

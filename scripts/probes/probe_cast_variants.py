@@ -31,10 +31,14 @@ the vector one (then swapped into the package by this script; docs/benchmarks.md
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import environment, markdown_table, median_ms
 
 from megatron_fp8.quant import triton_cast as tc

@@ -11,8 +11,12 @@ FP8 copy written once).
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
 from megatron_fp8.quant import kernels, triton_cast, triton_persistent

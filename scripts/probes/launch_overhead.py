@@ -6,7 +6,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import host_and_device_ms, markdown_table
 
 from megatron_fp8.quant import triton_cast, triton_scale

@@ -25,10 +25,14 @@ Then unequal splits (zeros included) against cuBLAS.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import gluon_wgrad as gw
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import environment, markdown_table, median_ms, rel_error
 from probe_gemm_streams import SHAPES, gemm_sets, on_streams
 

@@ -21,9 +21,13 @@ graphed the same way) and checks that every schedule's outputs equal ``serial``'
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
 from megatron_fp8.quant import triton_cast

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
 from megatron_fp8.quant import make_quantizer, triton_cast
