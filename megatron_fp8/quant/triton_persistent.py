@@ -51,7 +51,8 @@ import triton.language as tl
 
 from ..triton_launch import Launcher, cdiv
 from .tensor import aligned_scalars
-from .triton_cast import (
+from .triton_scale import SCALE_STRIDE, _tensor_scale
+from .triton_tiles import (
     TILE,
     _fp8_consts,
     _load_transposed,
@@ -60,7 +61,6 @@ from .triton_cast import (
     cast_warps,
     fp8_copies,
 )
-from .triton_scale import SCALE_STRIDE, _tensor_scale
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
-from megatron_fp8.quant import make_quantizer, triton_cast
+from megatron_fp8.quant import make_quantizer, triton_tiles
 from megatron_fp8.recipe import PRESETS, TensorRole
 
 
@@ -25,8 +25,8 @@ def main() -> None:
     ap.add_argument("--shape", default="16384,14336,4096")
     ap.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
     ap.add_argument("--backends", nargs="*", default=["auto"])
-    ap.add_argument("--warps", nargs="*", type=int, default=[triton_cast.CAST_WARPS],
-                    help="warps per cast tile to compare (triton_cast.CAST_WARPS; 0: its rule)")
+    ap.add_argument("--warps", nargs="*", type=int, default=[triton_tiles.CAST_WARPS],
+                    help="warps per cast tile to compare (triton_tiles.CAST_WARPS; 0: its rule)")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split(","))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -35,7 +35,7 @@ def main() -> None:
     rows = []
     for backend, warps in ((b, w) for b in args.backends for w in args.warps):
         os.environ["MEGATRON_FP8_CAST_BACKEND"] = backend
-        triton_cast.CAST_WARPS = warps
+        triton_tiles.CAST_WARPS = warps
         for rname in args.recipes:
             r = PRESETS[rname]
             for role, t, kw in ((TensorRole.INPUT, x, dict(rowwise=True, columnwise=True)),
