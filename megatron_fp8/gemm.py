@@ -336,7 +336,7 @@ def _triton_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: b
     ``scaled_mm`` refuses on SM90: our Triton grouped GEMMs with one group. The products of each
     128-deep K step are scaled and summed in FP32 (DeepSeek-V3's promotion), so results match
     cuBLAS's E4M3 path within accumulation order, not bitwise."""
-    from . import triton_grouped
+    from .kernels import triton_grouped
     from .quant.kernels import segment_offsets
 
     (m, k), (n, _) = a.shape, b.shape

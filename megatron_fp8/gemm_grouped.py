@@ -188,7 +188,7 @@ def _triton_grouped_here(dev: torch.device) -> bool:
     if not (dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     try:
-        from . import triton_grouped  # noqa: F401
+        from .kernels import triton_grouped  # noqa: F401
     except ImportError:
         return False
     return True
@@ -329,7 +329,7 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     got = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("rows", "weights"), (k // 128, 0))
     if got is None:
         return None
-    from . import triton_grouped
+    from .kernels import triton_grouped
     from .quant.kernels import segment_offsets
 
     m, g = sum(splits), len(a)
@@ -358,7 +358,7 @@ def grouped_wgrad(
     got = _triton_grouped_starts(a, b, a0, b0, out_dtype, splits, blocked, ("tokens", "tokens"), (n, k))
     if got is None:
         return grouped_gemm(a, b, out_dtype, name=name)
-    from . import triton_grouped
+    from .kernels import triton_grouped
     from .quant.kernels import segment_offsets
 
     record(f"{name}[triton]", Backend.NATIVE, (a0.layout, b0.layout), (n, k, sum(splits)))

@@ -31,10 +31,9 @@ from megatron_fp8.recipe import PRESETS
 def _parts() -> list[tuple[Any, str, str]]:
     """(owner, attribute, label) of the step's parts ``--breakdown`` times; each owner is where
     the callers look the attribute up at call time."""
-    from megatron_fp8 import triton_launch
+    from megatron_fp8.kernels import cuda_cast, triton_launch
     from megatron_fp8.modules import grouped as mod
     from megatron_fp8.ops import grouped_linear as ops
-    from megatron_fp8.quant import cuda_cast
 
     return [(mod.ExpertParams, "fp8_operands", "weights: quantizers + cast (fp8_operands)"),
             (ops, "check_m_splits", "m_splits checks"), (ops, "_forward_fp8", "forward (autograd function)"),

@@ -62,7 +62,7 @@ def main() -> None:
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     cases = {}
     # launch costs alone (tiny tensors: host-bound by construction)
-    from megatron_fp8.quant import triton_scale
+    from megatron_fp8.kernels import triton_scale
 
     tiny = torch.ones(4, device="cuda")
     a16 = torch.ones(16, 16, device="cuda").to(torch.float8_e4m3fn)

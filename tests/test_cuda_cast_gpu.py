@@ -1,4 +1,4 @@
-"""The CUDA C tile casts (``quant.cuda_cast``: 1x128, 128x128, tensor with given scales, and
+"""The CUDA C tile casts (``kernels.cuda_cast``: 1x128, 128x128, tensor with given scales, and
 current scaling through it) against the Triton casts they stand in for and the CPU reference,
 bit for bit: plain tensors and experts (empty ones included), E4M3 and E5M2, zeros, NaN, inf,
 overflowing and subnormal inputs; and the casts it must leave to Triton (skip without CUDA; run
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp8.quant import cuda_cast
+from megatron_fp8.kernels import cuda_cast
 from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.quant.quantizers import Block1DQuantizer
 from megatron_fp8.testing import same_bits
@@ -43,7 +43,7 @@ def _spy(monkeypatch) -> list[bool]:
 @pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("shape", [(128, 128), (512, 1024), (2048, 7168)])
 def test_plain_cast_equals_triton_and_reference(shape: tuple[int, int], dtype: torch.dtype, monkeypatch) -> None:
-    from megatron_fp8.quant.triton_cast import cast_tiles
+    from megatron_fp8.kernels.triton_cast import cast_tiles
 
     x = _input(*shape)
     calls = _spy(monkeypatch)
@@ -63,7 +63,7 @@ def test_plain_cast_equals_triton_and_reference(shape: tuple[int, int], dtype: t
 @pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("splits", [[0, 256, 128, 0, 384, 1280], [2048] * 8, [128] * 40])
 def test_segments_equal_triton(splits: list[int], dtype: torch.dtype, monkeypatch) -> None:
-    from megatron_fp8.quant.triton_cast import cast_segments
+    from megatron_fp8.kernels.triton_cast import cast_segments
 
     x = _input(sum(splits), 512)
     offs = segment_offsets(splits, x.device)
@@ -96,8 +96,8 @@ def test_leaves_other_casts_to_triton() -> None:
 def test_other_modes_equal_triton(mode: str, splits: list[int] | None, dtype: torch.dtype, monkeypatch) -> None:
     """128x128 (the experts' weights stacked) and tensor mode with given per-segment scales
     (delayed scaling) that make values overflow: CUDA == Triton, bit for bit."""
+    from megatron_fp8.kernels.triton_cast import cast_segments, cast_tiles
     from megatron_fp8.quant.kernels import aligned_copy
-    from megatron_fp8.quant.triton_cast import cast_segments, cast_tiles
 
     x = _input(sum(splits) if splits else 1024, 512)
     n = len(splits) if splits else 1

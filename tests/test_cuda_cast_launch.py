@@ -1,4 +1,4 @@
-"""The CUDA tile cast's own launch (``quant/cuda_cast._launch``), on CPU: the argument structure
+"""The CUDA tile cast's own launch (``kernels/cuda_cast._launch``), on CPU: the argument structure
 mirrors ``cast_tile``'s parameters as ``cuda_cast.cu`` declares them, and the array handed to the
 driver points at each value in order (what the driver copies at launch). The launch itself and
 the cast's bits are GPU tests (tests/test_cuda_cast_gpu.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-from megatron_fp8.quant import cuda_cast
+from megatron_fp8.kernels import cuda_cast
 
 
 def _parameters() -> list[str]:

@@ -1,4 +1,4 @@
-"""``quant/cuda_cast.cu`` builds for SM90 in every configuration the package and the probe use
+"""``kernels/cuda_cast.cu`` builds for SM90 in every configuration the package and the probe use
 (mode, FP8 format, blocks an SM, the probe's KFAST, STREAM and NOCLAMP switches), on a machine without a
 GPU: NVRTC compiles it to an sm_90 CUBIN (its ptxas included), as ``torch.cuda._compile_kernel``
 will on the device. Catches a kernel that would not build before device time is spent on it.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
+SRC = Path(__file__).resolve().parents[1] / "megatron_fp8" / "kernels" / "cuda_cast.cu"
 LIB = os.environ.get("MEGATRON_FP8_NVRTC", "")
 pytestmark = pytest.mark.skipif(not LIB or not Path(LIB).is_file(),
                                 reason="set MEGATRON_FP8_NVRTC to a libnvrtc.so (see .ci/run)")

@@ -116,7 +116,7 @@ def test_launcher_shortcut_keeps_specializations_apart() -> None:
     """Casts launched through the kept-kernel shortcut (second launch on) == the CPU reference,
     for inputs that Triton specializes differently: 16-byte aligned or not, K a multiple of 16
     or not. The shortcut stays on (this Triton's launcher API matched)."""
-    from megatron_fp8.quant import triton_cast
+    from megatron_fp8.kernels import triton_cast
 
     q = CurrentScalingQuantizer(E4)
     buf = torch.randn(300 * 640 + 1, dtype=torch.bfloat16) * 3
@@ -137,7 +137,7 @@ def test_launcher_shortcut_honours_launch_hooks() -> None:
     it, and the cast's bits are those of the hook-free direct launch."""
     import triton
 
-    from megatron_fp8.quant import triton_cast
+    from megatron_fp8.kernels import triton_cast
 
     q = CurrentScalingQuantizer(E4)
     x = torch.randn(256, 384, dtype=torch.bfloat16, device="cuda") * 2

@@ -18,7 +18,7 @@ from megatron_fp8.testing import same_bits
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from megatron_fp8.quant import triton_cast, triton_persistent  # noqa: E402 - needs Triton
+from megatron_fp8.kernels import triton_cast, triton_persistent  # noqa: E402 - needs Triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -261,7 +261,7 @@ def test_cuda_cast_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     only while a CUDA graph is captured, so not here; always with 1; never with 0 or with
     ``MEGATRON_FP8_CUDA_CAST=0``; anything else raises; so does anything but 0 or 1 for
     ``MEGATRON_FP8_CUDA_CAST``), and the CUDA cast never claims a CPU tensor."""
-    from megatron_fp8.quant import cuda_cast
+    from megatron_fp8.kernels import cuda_cast
 
     monkeypatch.delenv("MEGATRON_FP8_CUDA_CAST", raising=False)
     monkeypatch.delenv("MEGATRON_FP8_CUDA_CURRENT", raising=False)

@@ -17,7 +17,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from megatron_fp8 import gemm as core  # noqa: E402
 from megatron_fp8 import gemm_grouped  # noqa: E402
-from megatron_fp8 import triton_grouped as tg  # noqa: E402
+from megatron_fp8.kernels import triton_grouped as tg  # noqa: E402
 from megatron_fp8.quant import kernels  # noqa: E402
 from megatron_fp8.quant.quantizers import (  # noqa: E402
     Block1DQuantizer,

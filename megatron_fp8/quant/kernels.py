@@ -45,7 +45,7 @@ def cast_backend() -> str:
 @functools.cache
 def _triton() -> Any | None:
     try:
-        from . import triton_cast
+        from ..kernels import triton_cast
     except ImportError:
         return None
     return triton_cast
@@ -56,7 +56,7 @@ def _scales() -> Any | None:
     """``triton_scale`` (amaxes and scales), importable wherever ``_triton()`` is."""
     if _triton() is None:
         return None
-    from . import triton_scale
+    from ..kernels import triton_scale
 
     return triton_scale
 

@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
-from megatron_fp8.quant import kernels, triton_cast, triton_persistent
+from megatron_fp8.kernels import triton_cast, triton_persistent
+from megatron_fp8.quant import kernels
 from megatron_fp8.testing import same_bits
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -1,4 +1,4 @@
-"""Grouped FP8 GEMM kernels alone (GPU): our Triton grouped kernels (``megatron_fp8.triton_grouped``)
+"""Grouped FP8 GEMM kernels alone (GPU): our Triton grouped kernels (``megatron_fp8.kernels.triton_grouped``)
 per tile configuration against BF16 ``torch._grouped_mm``, per-expert ``torch._scaled_mm`` and
 ``torch._scaled_grouped_mm`` (rowwise), on pre-cast operands; prints TFLOP/s and the relative
 error of each Triton result against an FP32 matmul of the dequantized operands.
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import environment, markdown_table, median_ms
 
-from megatron_fp8 import triton_grouped as tg
+from megatron_fp8.kernels import triton_grouped as tg
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # first run (2026-12-02): 128x128 w8 s3 best for rows; w4, 64-row and 256-wide tiles 5-75% slower

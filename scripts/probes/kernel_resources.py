@@ -27,9 +27,9 @@ from benchlib import markdown_table
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_fp8 import triton_grouped as tg
-from megatron_fp8.quant import triton_cast as tc
-from megatron_fp8.quant import triton_persistent as tp
+from megatron_fp8.kernels import triton_cast as tc
+from megatron_fp8.kernels import triton_grouped as tg
+from megatron_fp8.kernels import triton_persistent as tp
 
 _CAST_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("row_s_ptr", "*fp32"), ("col_ptr", "*fp8e4nv"),
               ("col_s_ptr", "*fp32"), ("tensor_scale_ptr", "*fp32"), ("seg_ptr", "*i32"), ("part_ptr", "*i32"),

@@ -1,5 +1,5 @@
 """Host cost of one cast-kernel launch with and without the kept-kernel shortcut
-(``megatron_fp8.triton_launch.Launcher``), same process, same machine: prints a table (GPU).
+(``megatron_fp8.kernels.triton_launch.Launcher``), same process, same machine: prints a table (GPU).
 
     python scripts/launch_overhead.py
 """
@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import host_and_device_ms, markdown_table
 
-from megatron_fp8.quant import triton_cast, triton_scale
+from megatron_fp8.kernels import triton_cast, triton_scale
 from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
 
 

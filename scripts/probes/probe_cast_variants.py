@@ -41,9 +41,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import environment, markdown_table, median_ms
 
-from megatron_fp8.quant import triton_cast as tc
+from megatron_fp8.kernels import triton_cast as tc
+from megatron_fp8.kernels.triton_cast import _load_transposed, _pow2_scale, _quantize  # noqa: F401 (jit globals)
 from megatron_fp8.quant.kernels import segment_offsets
-from megatron_fp8.quant.triton_cast import _load_transposed, _pow2_scale, _quantize  # noqa: F401 (jit globals)
 from megatron_fp8.testing import bits, same_bits
 
 

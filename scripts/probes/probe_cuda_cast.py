@@ -1,4 +1,4 @@
-"""Probe (GPU): the tile casts as a CUDA C kernel (``megatron_fp8/quant/cuda_cast.cu``, NVRTC).
+"""Probe (GPU): the tile casts as a CUDA C kernel (``megatron_fp8/kernels/cuda_cast.cu``, NVRTC).
 
     python scripts/probe_cuda_cast.py
 
@@ -35,16 +35,16 @@ from pathlib import Path
 import torch
 
 os.environ["MEGATRON_FP8_CAST_CLAMP"] = "1"  # the Triton reference clamps (read when triton_cast is imported)
-from megatron_fp8.quant.cuda_cast import MODES  # noqa: E402
+from megatron_fp8.kernels.cuda_cast import MODES  # noqa: E402
+from megatron_fp8.kernels.triton_cast import TILE, _launch, fp8_copies  # noqa: E402
 from megatron_fp8.quant.kernels import segment_offsets  # noqa: E402
-from megatron_fp8.quant.triton_cast import TILE, _launch, fp8_copies  # noqa: E402
 from megatron_fp8.testing import capture_step, same_bits  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 
-SRC = Path(__file__).parents[1] / "megatron_fp8" / "quant" / "cuda_cast.cu"
+SRC = Path(__file__).parents[1] / "megatron_fp8" / "kernels" / "cuda_cast.cu"
 # (blocks an SM, KFAST, STREAM, NOCLAMP): the package's build first, then its first build and each
 # switch alone
 VARIANTS = ((3, 1, 1, 1), (3, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1), (4, 0, 0, 1))

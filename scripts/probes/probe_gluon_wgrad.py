@@ -37,7 +37,7 @@ from benchlib import environment, markdown_table, median_ms, rel_error
 from probe_gemm_streams import SHAPES, gemm_sets, on_streams
 
 from megatron_fp8 import gemm_grouped as gg
-from megatron_fp8 import triton_grouped as tg
+from megatron_fp8.kernels import triton_grouped as tg
 from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.testing import capture_step, same_bits
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
-from megatron_fp8.quant import triton_cast
+from megatron_fp8.kernels import triton_cast
 from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.testing import same_bits
 
@@ -41,7 +41,7 @@ Cast = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # row [m, K], col [K, m]
 def cast_one(t: torch.Tensor, one_launch: bool, programs: int | None = None) -> Cast:
     """Row and column FP8 copies of ``t`` and its dequantization scale."""
     if one_launch and programs is not None:
-        from megatron_fp8.quant.triton_persistent import cast_current_persistent
+        from megatron_fp8.kernels.triton_persistent import cast_current_persistent
 
         row, col, _, inv = cast_current_persistent(t, F8, True, True, programs=programs)
     else:

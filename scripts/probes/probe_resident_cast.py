@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_fp8.kernels.triton_cast import TILE, _fp8_consts, _quantize, cast_current, fp8_copies
+from megatron_fp8.kernels.triton_scale import _tensor_scale
 from megatron_fp8.quant.kernels import segment_offsets
 from megatron_fp8.quant.tensor import aligned_scalars
-from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _quantize, cast_current, fp8_copies
-from megatron_fp8.quant.triton_scale import _tensor_scale
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from megatron_fp8.kernels.triton_cast import TILE, _fp8_consts, _pow2_scale, _quantize, _segment_of_row, fp8_copies
 from megatron_fp8.quant.kernels import segment_offsets
-from megatron_fp8.quant.triton_cast import TILE, _fp8_consts, _pow2_scale, _quantize, _segment_of_row, fp8_copies
 from megatron_fp8.testing import same_bits
 
 F8 = torch.float8_e4m3fn
@@ -124,7 +124,7 @@ triton.set_allocator(_scratch)
 
 def package(x: torch.Tensor, offsets: torch.Tensor | None = None, mode: str = "1x128"
             ) -> tuple[torch.Tensor | None, ...]:
-    from megatron_fp8.quant.triton_cast import _launch
+    from megatron_fp8.kernels.triton_cast import _launch
 
     n_seg = offsets.numel() - 1 if offsets is not None else 1
     row, row_s, col, col_s = _launch(x, F8, mode, True, True, None, offsets, n_seg, aligned=offsets is not None)

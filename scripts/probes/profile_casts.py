@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 from benchlib import markdown_table, median_ms
 
-from megatron_fp8.quant import make_quantizer, triton_tiles
+from megatron_fp8.kernels import triton_tiles
+from megatron_fp8.quant import make_quantizer
 from megatron_fp8.recipe import PRESETS, TensorRole
 
 

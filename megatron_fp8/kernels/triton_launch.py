@@ -1,6 +1,6 @@
 """Launching Triton kernels without Triton's per-call host cost: ``Launcher(kernel)(grid, *args,
 **kwargs)`` is ``kernel[grid](*args, **kwargs)``, with the compiled kernel kept per
-specialization after the first launch (the casts in ``quant/triton_cast.py``, the grouped GEMMs
+specialization after the first launch (the casts in ``triton_cast.py``, the grouped GEMMs
 in ``triton_grouped.py``)."""
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import Launcher, cdiv
-from .formats import fp8_max
-from .tensor import SCALE_STRIDE as STRIDE
-from .tensor import aligned_scalars
+from ..quant.formats import fp8_max
+from ..quant.tensor import SCALE_STRIDE as STRIDE
+from ..quant.tensor import aligned_scalars
+from .triton_launch import Launcher, cdiv
 
 SCALE_STRIDE = tl.constexpr(STRIDE)  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 

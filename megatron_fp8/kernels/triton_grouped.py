@@ -3,7 +3,7 @@ and ``gemm_grouped.grouped_wgrad``; ``MEGATRON_FP8_GROUPED_GEMM=auto|triton|torc
 They exist for the host: per-expert cuBLAS calls cost 25-60 us of host time each, 16 of them per
 backward step, and ``torch._scaled_grouped_mm`` needs ~10 scale set-up launches and refuses E5M2
 gradients and block scales on SM90. Measured on an H200 (2026-12-02, 8 x 2048 tokens;
-``scripts/bench_triton_grouped.py``): fprop ~1100 TFLOP/s (cuBLAS per expert ~1150), dgrad and
+``scripts/probes/bench_triton_grouped.py``): fprop ~1100 TFLOP/s (cuBLAS per expert ~1150), dgrad and
 wgrad with FP32 promotion ~760-820 (cuBLAS ~950-1050), 1x128 x 128x128 blocks ~620-720. Tiles
 are 128x128x128, 8 warps, 3 stages (the best of a small sweep); no TMA, no warp specialization.
 A graph replays without the host, so while one is captured ``gemm`` takes cuBLAS per expert
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant.tensor import SCALE_STRIDE
+from ..quant.tensor import SCALE_STRIDE
 from .triton_launch import Launcher, cdiv
 
 BLOCK = 128
@@ -142,7 +142,7 @@ _OUT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch configuration of one grouped kernel (``scripts/bench_triton_grouped.py`` sweeps
+    """Launch configuration of one grouped kernel (``scripts/probes/bench_triton_grouped.py`` sweeps
     these). ``rows``: ``bm`` x ``bn`` output tiles (``bm`` must divide every expert's row count);
     ``kgroup``: ``bm`` x ``bn`` tiles of ``[N, K]`` per expert. The contraction step is 128."""
 

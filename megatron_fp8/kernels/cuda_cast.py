@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .formats import cast_clamp
+from ..quant.formats import cast_clamp
 
 TILE = 128
 _SRC = Path(__file__).with_name("cuda_cast.cu")

@@ -55,9 +55,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import Launcher, cdiv
+from ..quant.tensor import aligned_scalars
 from . import cuda_cast, triton_persistent
-from .tensor import aligned_scalars
+from .triton_launch import Launcher, cdiv
 from .triton_scale import _R, SCALE_STRIDE, _amax_of_partials, _amax_partials, _tensor_scale, amax_and_scale
 from .triton_tiles import (  # noqa: F401  (TILE, cast_warps, fp8_copies: also this module's API)
     _SB,

@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_launch import Launcher, cdiv
-from .tensor import aligned_scalars
+from ..quant.tensor import aligned_scalars
+from .triton_launch import Launcher, cdiv
 from .triton_scale import SCALE_STRIDE, _tensor_scale
 from .triton_tiles import (
     TILE,

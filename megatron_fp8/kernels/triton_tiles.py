@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import cast_clamp, fp8_max
+from ..quant.formats import cast_clamp, fp8_max
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
