@@ -136,6 +136,26 @@ def train(args: argparse.Namespace, fp8: FP8Config, flags_on: bool) -> tuple[lis
     return losses, saved_bytes, applied
 
 
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace, tp: int, fp8: FP8Config) -> None:
+    """The sizes must split over the ranks (and fit the recipe's blocks): say so before any layer
+    is built, in the arguments' names."""
+    for name in ("hidden", "heads", "ffn"):
+        if getattr(args, name) % tp:
+            ap.error(f"--{name} {getattr(args, name)} must be divisible by the {tp} ranks (tensor-parallel size)")
+    if args.hidden % args.heads:
+        ap.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads}")
+    if args.sequence_parallel and args.seq % tp:
+        ap.error(f"--seq {args.seq} must be divisible by the {tp} ranks with --sequence-parallel "
+                 f"(or pass --no-sequence-parallel)")
+    block = {"Float8BlockScaling": 128, "MXFP8BlockScaling": 32}.get(type(fp8.recipe()).__name__)
+    if block and fp8.fp8.enabled:
+        tokens = args.seq * args.batch // (tp if args.sequence_parallel else 1)
+        if tokens % block or (args.hidden // tp) % block or (args.ffn // tp) % block:
+            ap.error(f"{type(fp8.recipe()).__name__} needs the tokens per rank ({tokens}) and the hidden and ffn sizes "
+                     f"per rank ({args.hidden // tp}, {args.ffn // tp}) to be multiples of {block}; change --seq, "
+                     f"--batch, --hidden or --ffn, or use a config with the current (tensorwise) recipe")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "tp_block.yaml"))
@@ -157,6 +177,7 @@ def main() -> None:
     fp8 = load_config(args.config)
     if dist.get_world_size() == 1:
         args.sequence_parallel = False
+    check_args(ap, args, dist.get_world_size(), fp8)
     on_losses, on_bytes, applied = train(args, fp8, flags_on=True)
     off_losses, off_bytes, _ = train(args, fp8, flags_on=False)
     rank = dist.get_rank()

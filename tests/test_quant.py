@@ -178,8 +178,8 @@ def test_non_finite_inputs_do_not_crash(name: str) -> None:
 
 
 @pytest.mark.parametrize("name, shape, match", [
-    ("1x128", (128, 200), r"\(128, 200\).*multiple of the block size 128"),
-    ("1x128", (100, 256), r"\(256, 100\).*multiple of the block size 128"),  # columnwise: blocks along M
+    ("1x128", (128, 200), r"features .*\(128, 200\) is 200.*multiple of the block size 128.*current"),
+    ("1x128", (100, 256), r"tokens .*\(100, 256\) is 100.*multiple of the block size 128"),  # columnwise: along M
     ("128x128", (100, 256), r"\(100, 256\).*multiples of 128"),
     ("mx", (64, 48), r"\(64, 48\).*multiple of the block size 32"),
 ])

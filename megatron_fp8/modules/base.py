@@ -28,6 +28,8 @@ from ..quant.tensor import QuantizedTensor
 from ..quant.tensor_scaling import check_delayed_state
 from ..recipe import Recipe, TensorRole
 
+_ROLE_WORDS = {TensorRole.INPUT: "input", TensorRole.WEIGHT: "weight", TensorRole.GRAD_OUTPUT: "output gradient"}
+
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A uint8 tensor's bytes without NumPy (which is not a dependency): FP8 extra state blobs."""
@@ -101,11 +103,11 @@ class FP8Module(nn.Module):
             self._fp8_recipe, self._quantizers, self._w_cache = state.recipe, {}, {}
         q = self._quantizers.get(key)
         if q is None:
-            layer = getattr(self, "name", None)  # Megatron-style layer name, when given
-            name = f"{type(self).__name__}({layer}).{key}" if layer else f"{type(self).__name__}.{key}"
+            name = self._fp8_owner() + ("" if key == "weight" else f" expert {key[6:]}" if key[6:].isdigit()
+                                        else f" {key}")
             device = getattr(self, key).device
             q = LinearQuantizers(*(
-                make_quantizer(state.recipe, role, name=f"{name}:{role.value}", device=device)
+                make_quantizer(state.recipe, role, name=f"{name} {_ROLE_WORDS[role]}", device=device)
                 for role in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT)
             ))
             self._restore_pending(key, q)  # raises (keeping the loaded state) under another recipe

@@ -74,9 +74,9 @@ def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ro
 def check_1d(shape: tuple[int, ...], rowwise: bool, columnwise: bool, block: int, name: str) -> None:
     """Shape checks of 1 x ``block`` casts, without touching data (cheap: no kernel, no trace)."""
     if rowwise:
-        ref.check_block_shape(tuple(shape), block, f"{name} (rowwise 1x{block})")
-    if columnwise:
-        ref.check_block_shape(tuple(shape[::-1]), block, f"{name} (columnwise 1x{block} along dim 0)")
+        ref.check_block_shape(tuple(shape), block, name, "its features (the last dim)")
+    if columnwise:  # the copy the weight gradient reads: blocks along the tokens
+        ref.check_block_shape(tuple(shape), block, name, "its tokens (rows, for the weight gradient)", dim=0)
 
 
 def _columns_1d(x: torch.Tensor, cast: Callable[..., Pair], block: int, what: str, **kw: Any) -> Pair:

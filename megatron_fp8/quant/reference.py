@@ -64,14 +64,18 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
     return torch.clamp(x.float() * scale, min=-m, max=m).to(fp8_dtype)
 
 
-def check_block_shape(shape: tuple[int, ...], block: int, what: str) -> None:
-    """Raise unless ``shape`` is 2-D with a contraction (last) extent divisible by ``block``."""
+def check_block_shape(shape: tuple[int, ...], block: int, what: str, along: str = "", dim: int = 1) -> None:
+    """Raise unless ``shape`` is 2-D with its blocked extent (dim ``dim``, the contraction: the
+    last by default) divisible by ``block``. ``along``: what that extent is for the user (e.g.
+    "its tokens (rows)"), named in the error."""
     if len(shape) != 2:
         raise ValueError(f"{what}: expected a 2-D tensor, got shape {tuple(shape)}")
-    if shape[1] % block:
+    if shape[dim] % block:
+        name = along or "the contraction (last) dim"
         raise ValueError(
-            f"{what}: shape {tuple(shape)} has contraction extent {shape[1]}, which must be "
-            f"a multiple of the block size {block}; pad the tensor or pick a size divisible by {block}"
+            f"{what}: {name} of shape {tuple(shape)} is {shape[dim]}, which must be a multiple of the block size "
+            f"{block} for 1x{block} block scales; pad it to a multiple of {block}, or use current (tensorwise) "
+            f"scaling, which takes any size"
         )
 
 
@@ -121,7 +125,8 @@ def check_block_shape_2d(shape: tuple[int, ...], block: int, what: str) -> None:
     if len(shape) != 2 or shape[0] % block or shape[1] % block:
         raise ValueError(
             f"{what}: shape {tuple(shape)} must be 2-D with both dims multiples of {block} "
-            f"for {block}x{block} block scaling"
+            f"for {block}x{block} block scaling (a weight's out and in features; with tensor parallelism, "
+            f"this rank's shard); pick sizes divisible by {block}, or use current (tensorwise) scaling"
         )
 
 
