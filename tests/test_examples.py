@@ -36,17 +36,3 @@ def test_torchrun_training_example() -> None:
     # ([128, 2, 1] each, bf16 on CPU: 1024 B), which only the recompute's replay needs.
     assert [int(r[3]) for r in ranks] == [2 * (65536 + 2048) + 131072 + 1024] * 2
 
-
-def _bash_blocks(text: str) -> list[str]:
-    return [b.split("```", 1)[0].strip() for b in text.split("```bash")[1:]]
-
-
-def test_ci_runs_the_readmes_two_commands_verbatim() -> None:
-    """CI (``.ci/run``) runs README's first command (the example, in a fresh venv without extras)
-    and its second command's test run exactly as README writes them."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        first, second = _bash_blocks(f.read())[:2]
-    with open(os.path.join(REPO, ".ci", "run")) as f:
-        ci = f.read()
-    assert first in ci
-    assert second.split("&&")[-1].strip() in ci  # the test command (the installs differ: CI adds ruff's extras)
