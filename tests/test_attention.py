@@ -12,18 +12,13 @@ from typing import Any
 
 import pytest
 
-from tests.dist_workers.launch import WorkerRun, run_workers
+from tests.dist_workers.launch import worker_report
 
 pytest.importorskip("megatron.core")
 
-_run: dict[str, WorkerRun] = {}
-
-
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if "r" not in _run:
-        _run["r"] = run_workers("attention_worker.py", 2, timeout=300)
-    return _run["r"].fail_if_broken()
+    return worker_report("attention_worker.py")
 
 
 @pytest.mark.distributed

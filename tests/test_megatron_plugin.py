@@ -18,17 +18,13 @@ import torch
 from megatron_fp8 import fp8_autocast
 from megatron_fp8.parallel import ColumnParallelLinear
 from megatron_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
-from tests.dist_workers.launch import WorkerRun, run_workers
-
-_run: dict[str, WorkerRun] = {}
+from tests.dist_workers.launch import worker_report
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     pytest.importorskip("megatron.core")
-    if "r" not in _run:
-        _run["r"] = run_workers("plugin_worker.py", 2, timeout=400)
-    return _run["r"].fail_if_broken()
+    return worker_report("plugin_worker.py", timeout=400)
 
 
 @pytest.mark.distributed

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist_workers.launch import WorkerRun, run_workers
+from tests.dist_workers.launch import worker_report
 
 pytest.importorskip("megatron.core")
 
@@ -36,14 +36,10 @@ from megatron_fp8.recipe import (  # noqa: E402
     MXFP8BlockScaling,
 )
 
-_run: dict[str, WorkerRun] = {}
-
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if "r" not in _run:
-        _run["r"] = run_workers("spec_worker.py", 2, timeout=300)
-    return _run["r"].fail_if_broken()
+    return worker_report("spec_worker.py")
 
 
 # ---- torchrun: whole models ----

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_workers.launch import WorkerRun, run_workers
+from tests.dist_workers.launch import worker_report
 
 pytest.importorskip("megatron.core")
 
-_run: dict[str, WorkerRun] = {}
-
-
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if "r" not in _run:
-        _run["r"] = run_workers("mla_worker.py", 2, timeout=400)
-    return _run["r"].fail_if_broken()
+    return worker_report("mla_worker.py", timeout=400)
 
 
 @pytest.mark.distributed

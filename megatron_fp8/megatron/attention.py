@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .specs import import_megatron
+from .specs import import_megatron, lazy_class
 
 __all__: list[str] = []  # SDPAttention: built on first use (module __getattr__); it subclasses MegatronModule
 
@@ -108,13 +108,6 @@ def _build_class() -> type:
     return SDPAttention
 
 
-_cls: type | None = None
-
-
-def __getattr__(name: str) -> Any:
-    global _cls
-    if name == "SDPAttention":
-        if _cls is None:
-            _cls = _build_class()
-        return _cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# built on first use: it subclasses megatron-core's class, and the package imports megatron-core
+# only when a Megatron entry point is used
+__getattr__ = lazy_class(__name__, "SDPAttention", _build_class)

@@ -21,7 +21,7 @@ import torch
 
 from ..autocast import current_fp8_state
 from ..recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
-from .specs import import_megatron
+from .specs import import_megatron, lazy_class
 
 __all__ = ["ExpertPadding", "ExpertUnpadding", "alignment"]  # and GroupedMLP (module __getattr__)
 
@@ -124,15 +124,6 @@ def _build_class() -> type:
     return GroupedMLP
 
 
-_cls: type | None = None
-
-
-def __getattr__(name: str) -> Any:
-    """``GroupedMLP`` is built on first use: it subclasses megatron-core's class, and this
-    package imports megatron-core only when a Megatron entry point is used."""
-    global _cls
-    if name == "GroupedMLP":
-        if _cls is None:
-            _cls = _build_class()
-        return _cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# built on first use: it subclasses megatron-core's class, and the package imports megatron-core
+# only when a Megatron entry point is used
+__getattr__ = lazy_class(__name__, "GroupedMLP", _build_class)

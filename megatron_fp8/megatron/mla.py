@@ -21,7 +21,7 @@ import copy
 import functools
 from typing import Any
 
-from .specs import import_megatron
+from .specs import import_megatron, lazy_class
 
 __all__: list[str] = []  # MLASelfAttention: built on first use (module __getattr__), like experts.GroupedMLP
 
@@ -86,13 +86,6 @@ def with_mla(layer_spec: Any, qk_layernorm: bool, core_attention: type) -> Any:
     return new
 
 
-_cls: type | None = None
-
-
-def __getattr__(name: str) -> Any:
-    global _cls
-    if name == "MLASelfAttention":
-        if _cls is None:
-            _cls = _build_class()
-        return _cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# built on first use: it subclasses megatron-core's class, and the package imports megatron-core
+# only when a Megatron entry point is used
+__getattr__ = lazy_class(__name__, "MLASelfAttention", _build_class)

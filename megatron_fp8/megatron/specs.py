@@ -64,10 +64,27 @@ import dataclasses
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 __all__ = ["get_gpt_layer_spec", "to_fp8_spec", "with_core_attention", "import_megatron"]
+
+
+def lazy_class(module: str, name: str, build: Callable[[], type]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that builds class ``name`` on first use (``build()``) and keeps
+    it: for our subclasses of megatron-core classes, so that importing the module does not import
+    megatron-core (PEP 562)."""
+    built: list[type] = []
+
+    def __getattr__(attr: str) -> Any:
+        if attr != name:
+            raise AttributeError(f"module {module!r} has no attribute {attr!r}")
+        if not built:
+            built.append(build())
+        return built[0]
+
+    return __getattr__
 
 
 def import_megatron(module: str, what: str) -> ModuleType:

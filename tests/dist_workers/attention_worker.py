@@ -14,16 +14,15 @@ Categories of the JSON report:
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
 import torch
-from common import Checker, init_gloo, shutdown
-from mcore_worker import _cpu_shims
-from spec_worker import _cpu_rng_shim
+from common import Checker
+from spec_worker import gpt_batch, run_checks
 
 warnings.filterwarnings("ignore")
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
@@ -80,15 +79,6 @@ def _model(tp: int) -> GPTModel:
                     vocab_size=VOCAB, max_sequence_length=S, position_embedding_type="rope")
 
 
-def _batch() -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (B, S), generator=g)
-    labels = torch.randint(0, VOCAB, (B, S), generator=g)
-    pos = torch.arange(S).unsqueeze(0).expand(B, S)
-    mask = torch.ones(1, 1, S, S, dtype=torch.bool).tril().logical_not()
-    return tokens, pos, mask, labels
-
-
 def _sdpa_outputs(loss: torch.Tensor) -> list[torch.Tensor]:
     """The outputs every SDPA backward node of the graph saved."""
     found, seen, todo = [], set(), [loss.grad_fn]
@@ -108,7 +98,7 @@ def check_view(ck: Checker, tp: int) -> None:
     inputs: list[torch.Tensor] = []
     hooks = [layer.self_attention.linear_proj.register_forward_pre_hook(lambda m, a: inputs.append(a[0]))
              for layer in model.decoder.layers]
-    tokens, pos, mask, labels = _batch()
+    tokens, pos, mask, labels = gpt_batch(VOCAB, S, B)
     loss = model(tokens, pos, mask, labels=labels).float().mean()
     for h in hooks:
         h.remove()
@@ -135,7 +125,7 @@ def check_bytes(ck: Checker, tp: int) -> None:
             if flag:
                 apply_layer_flags(model, FP8Config(layers=[LayerRule(match="*.linear_proj",
                                                                      save_original_input=True)]))
-            tokens, pos, mask, labels = _batch()
+            tokens, pos, mask, labels = gpt_batch(VOCAB, S, B)
             with mf.fp8_autocast(fp8_recipe=recipe), mf.memory.track_saved_tensors(model) as saved:
                 loss = model(tokens, pos, mask, labels=labels).float().mean()
             loss.backward()
@@ -151,18 +141,10 @@ def check_bytes(ck: Checker, tp: int) -> None:
 
 
 def main() -> int:
-    rank, tp = init_gloo()
-    _cpu_shims()
-    ck = Checker(rank)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    _cpu_rng_shim()
-    ck.guard("core", "SDPA core vs DotProductAttention", compare_core, ck, tp)
-    ck.guard("view", "linear_proj reads SDPA's saved output", check_view, ck, tp)
-    ck.guard("bytes", "save_original_input on linear_proj", check_bytes, ck, tp)
-    code = ck.report()
-    parallel_state.destroy_model_parallel()
-    shutdown()
-    return code
+    tp = int(os.environ["WORLD_SIZE"])
+    return run_checks([("core", "SDPA core vs DotProductAttention", compare_core, (tp,)),
+                       ("view", "linear_proj reads SDPA's saved output", check_view, (tp,)),
+                       ("bytes", "save_original_input on linear_proj", check_bytes, (tp,))])
 
 
 if __name__ == "__main__":

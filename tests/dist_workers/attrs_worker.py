@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Checker, init_gloo, shutdown
-from mcore_worker import _cpu_shims
-from spec_worker import _cpu_rng_shim
+from common import Checker
+from spec_worker import run_checks
 
 warnings.filterwarnings("ignore")
 from megatron.core import parallel_state  # noqa: E402
@@ -149,18 +148,8 @@ def _stream_shim() -> None:
 
 
 def main() -> int:
-    rank, world = init_gloo()
-    _cpu_shims()
-    _stream_shim()
-    ck = Checker(rank)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    _cpu_rng_shim()
-    ck.guard("attrs", "parameter attributes vs megatron-core", compare_grid, ck)
-    ck.guard("ddp", "MoE layer through megatron-core's DDP", compare_ddp, ck)
-    code = ck.report()
-    parallel_state.destroy_model_parallel()
-    shutdown()
-    return code
+    return run_checks([("attrs", "parameter attributes vs megatron-core", compare_grid, ()),
+                       ("ddp", "MoE layer through megatron-core's DDP", compare_ddp, ())], tp=1, shims=(_stream_shim,))
 
 
 if __name__ == "__main__":

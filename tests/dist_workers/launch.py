@@ -50,6 +50,13 @@ def run_workers(script: str, nproc: int, *args: str, timeout: float = 600.0) -> 
     return WorkerRun(nproc, code, out, report)
 
 
+def worker_report(script: str, *args: str, nproc: int = 2, timeout: float = 300.0) -> dict[str, Any]:
+    """The JSON report of ``script`` run under torchrun (``run_workers``); the calling test fails
+    with the workers' output if they did not finish or report (use it in a module-scoped fixture:
+    one launch per test module)."""
+    return run_workers(script, nproc, *args, timeout=timeout).fail_if_broken()
+
+
 def _text(b: bytes | str | None) -> str:
     if b is None:
         return ""

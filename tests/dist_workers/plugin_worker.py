@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
-from spec_worker import _cpu_rng_shim
+from spec_worker import _cpu_rng_shim, gpt_batch
 
 warnings.filterwarnings("ignore")
 _rules = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
@@ -101,17 +101,8 @@ def _build(cfg: TransformerConfig, older_path: bool = False) -> GPTModel:
                     position_embedding_type="rope")
 
 
-def _batch() -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()
-    return tokens, pos, mask, labels
-
-
 def _step(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[gemm.GemmCall], str]:
-    tokens, pos, mask, labels = _batch()
+    tokens, pos, mask, labels = gpt_batch(VOCAB, SEQ, BATCH)
     model.zero_grad(set_to_none=True)
     out = io.StringIO()
     with gemm.record_gemms() as calls, contextlib.redirect_stdout(out):

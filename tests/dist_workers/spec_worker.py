@@ -23,10 +23,13 @@ Checks (categories of the JSON report):
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,17 +84,37 @@ def _load(model: GPTModel, weights: dict[str, torch.Tensor]) -> GPTModel:
     return model
 
 
-def _batch() -> tuple[torch.Tensor, ...]:
+def gpt_batch(vocab: int = VOCAB, seq: int = SEQ, batch: int = BATCH) -> tuple[torch.Tensor, ...]:
+    """Tokens, positions, the causal mask and labels of a GPT step (the workers share it)."""
     g = torch.Generator().manual_seed(5)  # the same tokens on every rank (TP replicates the input)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not()  # True: masked out
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    pos = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).tril().logical_not()  # True: masked out
     return tokens, pos, mask, labels
 
 
+def run_checks(checks: list[tuple[str, str, Callable[..., None], tuple[Any, ...]]], tp: int | None = None,
+               shims: tuple[Callable[[], None], ...] = ()) -> int:
+    """A megatron-core worker's life: gloo, the CPU shims, parallel_state at TP=``tp`` (default
+    the world), each check guarded (``ck`` first, then its args), the report, the teardown."""
+    rank, world = init_gloo()
+    _cpu_shims()
+    for shim in shims:
+        shim()
+    ck = Checker(rank)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp or world)
+    _cpu_rng_shim()
+    for cat, name, fn, args in checks:
+        ck.guard(cat, name, fn, ck, *args)
+    code = ck.report()
+    parallel_state.destroy_model_parallel()
+    shutdown()
+    return code
+
+
 def _step(model: GPTModel, ctx: object | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    tokens, pos, mask, labels = _batch()
+    tokens, pos, mask, labels = gpt_batch()
     model.zero_grad(set_to_none=True)
     if ctx is None:
         loss = model(tokens, pos, mask, labels=labels).float().mean()
@@ -230,17 +253,9 @@ def _cpu_rng_shim() -> None:
 
 
 def main() -> int:
-    rank, tp = init_gloo()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    _cpu_shims()
-    _cpu_rng_shim()
-    ck = Checker(rank)
-    ck.guard("hp", "GPTModel: Megatron local spec vs megatron_fp8 spec", compare, ck, tp)
-    ck.guard("moe", "MoE layer: Megatron local spec vs megatron_fp8 spec", compare_moe, ck, tp)
-    code = ck.report()
-    parallel_state.destroy_model_parallel()
-    shutdown()
-    return code
+    world = int(os.environ["WORLD_SIZE"])
+    return run_checks([("hp", "GPTModel: Megatron local spec vs megatron_fp8 spec", compare, (world,)),
+                       ("moe", "MoE layer: Megatron local spec vs megatron_fp8 spec", compare_moe, (world,))])
 
 
 if __name__ == "__main__":
