@@ -36,7 +36,7 @@ from .autocast import current_fp8_state
 from .memory import _is_parameter
 from .recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["audit", "AuditReport", "LinearAudit", "RecomputeCandidate", "columnwise_copy_bytes"]
+__all__ = ["audit", "AuditReport", "LinearAudit", "RecomputeCandidate", "Recorder", "columnwise_copy_bytes"]
 
 
 def columnwise_copy_bytes(recipe: Recipe | None, tokens: int, k: int) -> int:
@@ -194,7 +194,7 @@ class AuditReport:
         fig.savefig(path, dpi=110)
 
 
-class _Recorder:
+class Recorder:
     """The forward's saves, the linears' inputs and the norms' outputs, by storage."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -236,6 +236,10 @@ class _Recorder:
         self.keep.append(t)
         return t
 
+    def report(self) -> AuditReport:
+        """The audit of what was recorded (one forward suffices: saves happen there)."""
+        return _report(self)
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         h1 = nn.modules.module.register_module_forward_pre_hook(self.pre)
@@ -259,9 +263,14 @@ def audit(model: nn.Module, step: Callable[[], Any]) -> AuditReport:
     """Run ``step()`` (one forward+backward of ``model``) once and report, per megatron_fp8
     linear, what ``save_original_input`` saves or costs there, and per norm what discarding its
     output would free (module docstring)."""
-    rec = _Recorder(model)
+    rec = Recorder(model)
     with rec.recording():
         step()
+    return rec.report()
+
+
+def _report(rec: Recorder) -> AuditReport:
+    """What a recorded forward says (``Recorder.report``)."""
     readers: dict[int, set[str]] = {}
     for name, _, x, _ in rec.inputs:
         readers.setdefault(_key(x), set()).add(name)

@@ -29,6 +29,7 @@ that combination before Megatron-LM imports the spec, so start the script throug
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import weakref
@@ -149,12 +150,35 @@ class _FirstForward:
         self.done.add(root)
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
         _print0(_summary(root, plan, getattr(ours[0], "config", None)))
+        _check_flag_costs(module, root)
         if _pipeline_chunks() == 1 and self.handle is not None:
             self.handle.remove()
             self.handle = None
 
 
 _hook = _FirstForward()
+
+
+def _check_flag_costs(module: nn.Module, root: nn.Module) -> None:
+    """Watch this first forward (``audit.Recorder``) and, at its end, name every layer whose
+    ``save_original_input`` is on although no other module saves its input: there the flag keeps
+    the high-precision input alive by itself and costs memory."""
+    from ..audit import Recorder
+
+    rec = Recorder(root)
+    watching = contextlib.ExitStack()
+    watching.enter_context(rec.recording())
+
+    def done(mod: nn.Module, args: Any, out: Any) -> None:
+        watching.close()
+        handle.remove()
+        for lin in rec.report().linears:
+            if lin.flag and lin.group_saves < 0:
+                _print0(f"megatron_fp8: {lin.name}: save_original_input is on, but no other module saves its input "
+                        f"{lin.input_shape}: the flag costs {-lin.group_saves:,} bytes here (a copy an FP8 copy "
+                        f"would not need); turn it off, or run python -m megatron_fp8.audit on the model")
+
+    handle = module.register_forward_hook(done, always_call=True)
 
 
 def _load_rules(path: str) -> FP8Config:

@@ -12,7 +12,8 @@ Categories of the JSON report:
   three FP8 GEMMs per decoder linear (``gemm.record_gemms()``), none of them high precision;
   the loss is within ``LOSS_RTOL`` of the FP8-off loss.
 * ``yaml``: ``MEGATRON_FP8_CONFIG``'s rule (``*.self_attention.linear_proj``) is applied at the
-  first forward, and rank 0's start-up summary names those modules.
+  first forward, rank 0's start-up summary names those modules, and (megatron-core's local
+  attention hands ``linear_proj`` a fresh copy) rank 0 reports that the flag costs memory there.
 * ``recompute``: ``recompute_granularity="selective"`` with ``recompute_modules=["layernorm"]``
   (dense) / ``["layernorm", "moe_act"]`` (MoE), per recipe: loss and the last layer's gradients
   bitwise equal to recompute off, every other gradient within ``RECOMPUTE_RTOL``. Not all
@@ -147,6 +148,10 @@ def check_dense(ck: Checker, tp: int) -> None:
         if dist.get_rank() == 0:
             ck.true("yaml", "save_original_input on: decoder.layers.{0,1}.self_attention.linear_proj" in printed,
                     f"{name}: start-up summary was {printed!r}")
+            # megatron-core's local attention hands linear_proj a fresh copy: the flag costs there, and is said
+            cost = [line for line in printed.splitlines() if "linear_proj: save_original_input is on" in line]
+            ck.true("yaml", len(cost) == 2 and all("the flag costs" in c for c in cost),
+                    f"{name}: the flag's cost was not reported: {printed!r}")
         re_model = _build(_config(tp, recipe, recompute=["layernorm"]))
         copy_weights(model, re_model)
         model_again = _build(_config(tp, recipe))
