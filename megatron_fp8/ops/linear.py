@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ..gemm import gemm
 from ..quant.formats import ScaleLayout
@@ -54,6 +55,21 @@ def mark_tensors_param_derived(tensors: Iterable[torch.Tensor]) -> None:
     """Tag tensors derived from parameters (FP8 weights) for saved-tensor accounting."""
     for t in tensors:
         t._mf_param_derived = True  # type: ignore[attr-defined]
+
+
+def _token_padding(x: torch.Tensor, quantizers: LinearQuantizers | None, comm: LinearComm | None) -> int:
+    """Zero rows that make the token count a multiple of the block the recipe scales the wgrad
+    copies by (128 for 1x128, 32 for MXFP8), as Transformer Engine's Linear takes any count;
+    0 where nothing is needed. Not under sequence parallelism (the gathered shards would
+    interleave padding): there the shape check below names the rule."""
+    if quantizers is None or (comm is not None and getattr(comm, "sequence_parallel", True)):
+        return 0
+    block = _TOKEN_BLOCKS.get(quantizers.input.layout, 0)
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (-tokens) % block if block and tokens else 0
+
+
+_TOKEN_BLOCKS = {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}
 
 
 def check_float_input(x: torch.Tensor, weight: torch.Tensor, owner: str) -> None:
@@ -279,6 +295,12 @@ def linear(
         )
     check_float_input(x, weight, "linear")
     wgrad = torch.is_grad_enabled() and weight.requires_grad
+    pad = _token_padding(x, quantizers, comm) if wgrad else 0
+    if pad:  # block scales along the tokens (the wgrad copies): zero rows up to the block, sliced off
+        y = linear(F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, pad)), weight, bias, w_fp8=w_fp8, quantizers=quantizers,
+                   save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                   comm=comm)
+        return y[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
     if quantizers is not None and wgrad:
         # wgrad contracts over tokens: fail now for the token-blocked casts backward would do
         tokens = x.numel() // x.shape[-1]
