@@ -493,3 +493,37 @@ def test_delayed_stacked_advance_equals_one_by_one(algo: str, device: str) -> No
         assert Q._advance_peers(together).hist is None
         assert all(p.step == together[0].step for p in together)
     assert Q._advance_peers([together[1], together[1]]).hist is None  # one quantizer listed twice
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_padding_experts_to_the_native_alignment(name: str) -> None:
+    """On CUDA each expert's rows are padded to the recipe's native alignment (16 tokens for
+    per-tensor scales, 128 blocks, 32 MXFP8) so that every expert GEMM runs natively for any
+    split (here on CPU, ``pad_to`` forced). The zero rows change no output row and add zeros to
+    every gradient sum: out, dx, dw and db equal the unpadded layer's within the GEMMs'
+    accumulation order (a padded expert is a longer GEMM), over two steps (delayed: the history
+    too), and the flag on == off bitwise on the padded path."""
+    from megatron_fp8.ops.grouped_linear import grouped_linear
+
+    splits = [5, 0, 130, 17, 1]
+    runs = {}
+    for pad_to in (1, 16, 128):
+        for flag in (False, True):
+            torch.manual_seed(0)
+            layer = GroupedLinear(len(splits), 256, 128, bias=True, save_original_input=flag)
+            outs = []
+            for step in range(2):
+                x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(step), requires_grad=True)
+                with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+                    qs, w_fp8 = layer.fp8_operands(None)
+                    y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs,
+                                       save_original_input=flag, pad_to=pad_to)
+                y.backward(torch.linspace(-1, 1, 128).expand_as(y))
+                outs += [y.detach(), x.grad, *(w.grad.clone() for w in layer.weights)]
+                outs += [b.grad.clone() for b in layer.biases]
+                layer.zero_grad()
+            runs[pad_to, flag] = outs
+    for pad_to in (16, 128):
+        assert all(torch.equal(a, b) for a, b in zip(runs[pad_to, True], runs[pad_to, False]))
+        for got, want in zip(runs[pad_to, False], runs[1, False]):
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1.0)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..autocast import current_fp8_state
+from ..ops.grouped_linear import expert_rows
 from ..recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
 from .specs import import_megatron, lazy_class
 
@@ -42,19 +43,6 @@ def _active_alignment() -> int:
     return alignment(state.recipe if state is not None and state.enabled else None)
 
 
-def _row_map(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """For each real row (experts back to back), its row in the padded layout; the padded splits."""
-    padded = [-(-m // align) * align for m in splits]
-    shift, real_start, pad_start = [], 0, 0
-    for m, p in zip(splits, padded):
-        shift.append(pad_start - real_start)
-        real_start, pad_start = real_start + m, pad_start + p
-    counts = torch.tensor(list(splits), device=device)
-    shifts = torch.tensor(shift, device=device)
-    rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
-    return rows, padded
-
-
 class ExpertPadding:
     """``(x, tokens_per_expert) -> (x padded per expert, padded tokens_per_expert)``, the
     interface of TE's ``Fp8Padding`` that megatron-core's grouped experts call."""
@@ -64,7 +52,7 @@ class ExpertPadding:
         align = _active_alignment()
         if align == 1 or all(m % align == 0 for m in splits):
             return x, splits
-        rows, padded = _row_map(splits, align, x.device)
+        rows, padded = expert_rows(splits, align, x.device)
         out = x.new_zeros((sum(padded), *x.shape[1:]))
         return out.index_copy(0, rows, x), padded
 
@@ -77,7 +65,7 @@ class ExpertUnpadding:
         splits = [int(m) for m in tokens_per_expert]
         if y.shape[0] == sum(splits):
             return y
-        rows, padded = _row_map(splits, _active_alignment(), y.device)
+        rows, padded = expert_rows(splits, _active_alignment(), y.device)
         if sum(padded) != y.shape[0]:
             raise RuntimeError(f"megatron_fp8 GroupedMLP: the experts' output has {y.shape[0]} rows, but the "
                                f"splits {splits} pad to {sum(padded)}; the FP8 recipe changed inside the layer")

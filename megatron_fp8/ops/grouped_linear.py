@@ -309,6 +309,28 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     return dx, dws
 
 
+def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.device) -> int:
+    """Rows per expert the recipe's GEMMs need to run natively on ``device``: 16 for per-tensor
+    scales (cuBLAS), 128 for 1x128 blocks, 32 for MXFP8; 1 with FP8 off or off CUDA."""
+    if not quantizers or device.type != "cuda":
+        return 1
+    return {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}.get(quantizers[0].input.layout, 16)
+
+
+def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """For each real row (experts back to back), its row once every expert is padded to a multiple
+    of ``align``; and the padded splits."""
+    padded = [-(-m // align) * align for m in splits]
+    shift, real_start, pad_start = [], 0, 0
+    for m, p in zip(splits, padded):
+        shift.append(pad_start - real_start)
+        real_start, pad_start = real_start + m, pad_start + p
+    counts = torch.tensor(list(splits), device=device)
+    shifts = torch.tensor(shift, device=device)
+    rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
+    return rows, padded
+
+
 def _as_count(m: object) -> object:
     """An integer-like token count (Python or NumPy int) as an int; anything else as it is."""
     if isinstance(m, bool) or isinstance(m, int):
@@ -352,15 +374,29 @@ def grouped_linear(
     save_original_input: bool = False,
     fuse_wgrad_accumulation: bool = False,
     name: str = "grouped_linear",
+    pad_to: int | None = None,
 ) -> torch.Tensor:
     """``cat_i(x_i @ weights[i].T + biases[i])`` over the experts' token groups of ``x [..., K]``
     (``m_splits`` counts rows of ``x`` flattened to 2-D). FP8 GEMMs when ``quantizers`` (one per
     expert) is given; ``w_fp8``: the weights cast rowwise and columnwise, one QuantizedTensor per
-    expert or one launch's ``Segments`` (cast here if None)."""
+    expert or one launch's ``Segments`` (cast here if None).
+
+    ``pad_to``: each expert's rows are padded with zeros to a multiple of it (and the padding
+    dropped from the output), so that every expert GEMM runs natively for any split; default on
+    CUDA the recipe's native alignment (``native_rows``), elsewhere 1 (the emulated GEMMs take
+    any split). Zero rows change no output row and add zeros to every gradient sum."""
     n = len(weights)
     check_float_input(x, weights[0], name)
     x2d = x.reshape(-1, x.shape[-1])
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
+    align = pad_to if pad_to is not None else native_rows(quantizers, x2d.device)
+    if align > 1 and any(m % align for m in splits):
+        rows, padded = expert_rows(splits, align, x2d.device)
+        xp = x2d.new_zeros((sum(padded), x2d.shape[1])).index_copy(0, rows, x2d)
+        y = grouped_linear(xp, weights, biases, padded, w_fp8=w_fp8, quantizers=quantizers,
+                           save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                           name=name, pad_to=1)
+        return y.index_select(0, rows).reshape(*x.shape[:-1], y.shape[-1])
     k = weights[0].shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"{name}: input has {x.shape[-1]} features (shape {tuple(x.shape)}), the experts' "
