@@ -7,7 +7,8 @@ replaced a silent wrong number, a hang or lost state.
   and a checkpoint of another recipe is refused at every forward until the recipe matches
   (the loaded state is kept meanwhile);
 * a delayed-scaling layer saved after N = 1, 2, 5 steps and loaded in a fresh process makes the
-  next step bitwise as the uninterrupted run (every recipe);
+  next step bitwise as the uninterrupted run (every recipe), and so does a TP=2 pair through
+  ``state_dict`` and megatron-core's ``dist_checkpointing``;
 * integer input with FP8 off raises as ``nn.Linear`` does; ``m_splits`` given as None or as
   NumPy ints; an empty YAML and a key given twice; ``nn.Linear``'s state_dict into ``Linear``;
 * tensor-parallel ranks that disagree on the recipe, on FP8 on/off or on their sequence shard's
@@ -188,6 +189,20 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path: os.PathLike[str]) -> Non
         for n in (1, 2, 5):
             want, got = torch.load(f"{path}-{name}-{n}.want"), torch.load(f"{path}-{name}-{n}.got")
             assert torch.equal(got, want), f"{name}: the step after resuming from step {n} differs"
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_tp_pair_resumes_exactly_in_fresh_processes(tmp_path: os.PathLike[str]) -> None:
+    """A TP=2 column (SP) -> row pair under delayed scaling, saved after steps 1, 2, 5 (state_dict
+    per rank, and megatron-core's dist_checkpointing) and loaded in new torchrun processes: the
+    next step's output, input grad and weight grads bitwise the uninterrupted run's
+    (``dist_workers/resume_worker.py``)."""
+    pytest.importorskip("megatron.core")
+    run_workers("resume_worker.py", 2, "save", str(tmp_path), timeout=180).fail_if_broken()
+    for n in (1, 2, 5):  # each from a fresh process
+        report = run_workers("resume_worker.py", 2, "load", str(n), str(tmp_path), timeout=180).fail_if_broken()
+        assert report["counts"]["resume"] == 2 * report["world"] and report["failures"] == 0
 
 
 # ---- inputs ----
