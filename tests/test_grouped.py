@@ -502,7 +502,9 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
     split (here on CPU, ``pad_to`` forced). The zero rows change no output row and add zeros to
     every gradient sum: out, dx, dw and db equal the unpadded layer's within the GEMMs'
     accumulation order (a padded expert is a longer GEMM), over two steps (delayed: the history
-    too), and the flag on == off bitwise on the padded path."""
+    too), and the flag on == off bitwise on the padded path. BF16 inputs, as the layers get them
+    (an FP32 input with a columnwise copy takes the reference cast, which under Triton's
+    interpreter rounds differently from its kernels: not the GPU's behaviour)."""
     from megatron_fp8.ops.grouped_linear import grouped_linear
 
     splits = [5, 0, 130, 17, 1]
@@ -510,15 +512,17 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
     for pad_to in (1, 16, 128):
         for flag in (False, True):
             torch.manual_seed(0)
-            layer = GroupedLinear(len(splits), 256, 128, bias=True, save_original_input=flag)
+            layer = GroupedLinear(len(splits), 256, 128, bias=True, params_dtype=torch.bfloat16,
+                                  save_original_input=flag)
             outs = []
             for step in range(2):
-                x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(step), requires_grad=True)
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(sum(splits), 256, generator=g).to(torch.bfloat16).requires_grad_()
                 with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
                     qs, w_fp8 = layer.fp8_operands(None)
                     y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs,
                                        save_original_input=flag, pad_to=pad_to)
-                y.backward(torch.linspace(-1, 1, 128).expand_as(y))
+                y.backward(torch.linspace(-1, 1, 128, dtype=torch.bfloat16).expand_as(y))
                 outs += [y.detach(), x.grad, *(w.grad.clone() for w in layer.weights)]
                 outs += [b.grad.clone() for b in layer.biases]
                 layer.zero_grad()
@@ -526,4 +530,5 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
     for pad_to in (16, 128):
         assert all(torch.equal(a, b) for a, b in zip(runs[pad_to, True], runs[pad_to, False]))
         for got, want in zip(runs[pad_to, False], runs[1, False]):
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1.0)
+            # BF16 outputs: an FP32 sum in another order may round to the neighbouring BF16 value
+            assert (got - want).float().abs().max() <= 2**-7 * want.float().abs().max().clamp(min=1.0)
