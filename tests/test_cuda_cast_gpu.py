@@ -21,7 +21,8 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 def _input(m: int, k: int) -> torch.Tensor:
     x = (torch.randn(m, k) * torch.logspace(-3, 3, m).unsqueeze(1)).to(torch.bfloat16)
     x[:128, :128] = 0.0  # a zero block: scale 1
-    x[1, 2], x[(m - 2), 5], x[7, k - 1] = float("nan"), float("inf"), -3.0e4  # block amaxes ignore NaN
+    # block amaxes are over finite values; NaN and +-inf get the reference's bytes
+    x[1, 2], x[(m - 2), 5], x[7, k - 1], x[3, 9] = float("nan"), float("inf"), -3.0e4, float("-inf")
     x[m - 1, k // 2] = 1e-40  # subnormal (BF16 has FP32's exponent range)
     return x.cuda()
 

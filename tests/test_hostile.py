@@ -14,8 +14,9 @@ replaced a silent wrong number, a hang or lost state.
 * tensor-parallel ranks that disagree on the recipe, on FP8 on/off or on their sequence shard's
   length raise on every rank, naming each rank's value (``dist_workers/hostile_worker.py``).
 
-Non-finite values (the contract's "must surface" section) are not here yet: the GPU casts need
-the same rule and the H200 to prove it bitwise.
+Non-finite values (the contract's "must surface" section): ``tests/test_nonfinite.py`` (the
+reference path and layers), ``tests/test_nonfinite_kernels.py`` (the Triton casts) and, for a
+NaN on one tensor-parallel rank, ``dist_workers/hostile_worker.py``.
 """
 
 from __future__ import annotations
@@ -258,4 +259,5 @@ def test_tensor_parallel_ranks_that_disagree_fail_fast_on_every_rank() -> None:
     report = run_workers("hostile_worker.py", 2, timeout=120).fail_if_broken()
     assert report["counts"]["disagree"] == 4 * report["world"]  # four cases, an error on every rank
     assert report["counts"]["agree"] == report["world"]
+    assert report["counts"]["nonfinite"] == report["world"]  # a NaN on one rank: the same state on all
     assert report["failures"] == 0

@@ -173,16 +173,17 @@ def _misaligned(x: torch.Tensor) -> torch.Tensor:
 def test_current_cast_in_two_launches_bitwise(shape: tuple[int, int], dtype: torch.dtype, pow2: bool,
                                               eps: float) -> None:
     """Amax partials + a cast whose programs compute the scale == reference amax, scale,
-    reciprocal and cast (zeros and NaN included)."""
-    for fill in ("randn", "zeros", "nan"):
+    reciprocal and cast (zeros, NaN and +-inf included: their bytes are the reference's too)."""
+    for fill in ("randn", "zeros", "nan", "inf"):
         x = torch.zeros(shape, dtype=torch.bfloat16) if fill == "zeros" else (torch.randn(shape) * 5).bfloat16()
         if fill == "nan":
             x[shape[0] // 2, shape[1] // 3] = float("nan")
+        if fill == "inf":
+            x[shape[0] // 2, shape[1] // 3], x[0, shape[1] - 1] = float("inf"), float("-inf")
         s_ref = ref.amax_to_scale(ref.tensor_amax(x), dtype, power_2_scale=pow2, amax_epsilon=eps)
         out = kernels.cast_current(x.cuda(), dtype, True, True, power_2_scale=pow2, amax_epsilon=eps)
         assert out is not None
         row, col, s, inv = out
         assert _bits_equal(s, s_ref) and _bits_equal(inv, torch.reciprocal(s_ref))
-        if fill != "nan":  # NaN payload bits aside, the data is the reference's
-            assert _bits_equal(row, ref.cast_to_fp8(x, s_ref, dtype))
-            assert _bits_equal(col, ref.cast_to_fp8(x, s_ref, dtype).t().contiguous())
+        assert _bits_equal(row, ref.cast_to_fp8(x, s_ref, dtype))
+        assert _bits_equal(col, ref.cast_to_fp8(x, s_ref, dtype).t().contiguous())

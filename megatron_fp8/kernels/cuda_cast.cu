@@ -13,8 +13,9 @@
 // switches, off here by default: -DKFAST=1, the grid is K/128 x M/128 (neighbouring blocks read
 // neighbouring 256-byte pieces of the same rows, instead of the same columns of neighbouring row
 // tiles); -DSTREAM=1, the FP8 copies are stored with the evict-first hint (st.global.cs);
-// -DNOCLAMP=1, no clamp before the conversion, whose .satfinite already maps +-inf and anything
-// past the format's largest value to it and keeps NaN (~20% fewer instructions). Measured on an
+// -DNOCLAMP=1, no clamp before the conversion, whose .satfinite already maps anything finite past
+// the format's largest value to it (~20% fewer instructions). Block amaxes are over finite values,
+// and NaN / +-inf inputs get the reference's bytes (pack4), as RECIPES.md's non-finite rules say. Measured on an
 // H200 (scripts/probe_cuda_cast.py, docs/benchmarks.md run W): all three together took the 1x128
 // cast of x 16384x4096 from 88 to 78 us, the 128x128 and tensor casts of the experts' weights
 // from 81 to 74 and 79 to 73 us; quant/cuda_cast.py builds with KFAST=1 STREAM=1 and NOCLAMP=1
@@ -88,11 +89,34 @@ __device__ __forceinline__ unsigned short cvt2(float lo, float hi) {
   return d;
 }
 
+
 __device__ __forceinline__ float lo_f(unsigned w) { return __int_as_float(w << 16); }
 __device__ __forceinline__ float hi_f(unsigned w) { return __int_as_float(w & 0xFFFF0000u); }
 
-__device__ __forceinline__ unsigned pack4(float a, float b, float c, float d) {
-  return (unsigned)cvt2(a, b) | ((unsigned)cvt2(c, d) << 16);
+__device__ __forceinline__ bool finite(float v) { return (__float_as_int(v) & 0x7F800000) != 0x7F800000; }
+
+__device__ __forceinline__ float absfin(float v) {  // |v| for a block amax: finite values only
+  return finite(v) ? fabsf(v) : 0.0f;
+}
+
+// Two BF16 words (four values, w0's low half the lowest byte) times s in FP8. cvt's .satfinite
+// would turn +-inf into +-MAX_NORM: a NaN or +-inf input gets reference.nonfinite_bits' byte
+// instead, found on the BF16 bits with per-half SIMD compares (no branch, no float kept alive: a
+// per-value branch made the block modes spill registers).
+__device__ __forceinline__ unsigned pack4(unsigned w0, unsigned w1, float s) {
+  const unsigned q = (unsigned)cvt2(lo_f(w0) * s, hi_f(w0) * s) | ((unsigned)cvt2(lo_f(w1) * s, hi_f(w1) * s) << 16);
+  // per 16-bit half: 0xFFFF where the exponent is all ones (NaN, +-inf); then one byte a value
+  const unsigned nf = __byte_perm(__vcmpeq2(w0 & 0x7F807F80u, 0x7F807F80u),
+                                  __vcmpeq2(w1 & 0x7F807F80u, 0x7F807F80u), 0x6420);
+#if E5M2
+  const unsigned inf = __byte_perm(__vcmpeq2(w0 & 0x7FFF7FFFu, 0x7F807F80u),
+                                   __vcmpeq2(w1 & 0x7FFF7FFFu, 0x7F807F80u), 0x6420);
+  const unsigned sign = __byte_perm(w0, w1, 0x7531) & 0x80808080u;  // each value's sign bit, in its byte
+  const unsigned fix = ((nf & ~inf) & 0x7F7F7F7Fu) | (inf & (0x7C7C7C7Cu | sign));  // NaN 0x7F; +-inf 0x7C / 0xFC
+#else
+  const unsigned fix = nf & 0x7F7F7F7Fu;  // E4M3 has no inf: NaN 0x7F
+#endif
+  return (q & ~nf) | fix;
 }
 
 struct Where {  // a tile's rows and the segment (expert) holding them
@@ -143,7 +167,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
   for (int i = 0; i < 8; ++i) {
     const unsigned u[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) tmax = fmaxf(tmax, fmaxf(fabsf(lo_f(u[j])), fabsf(hi_f(u[j]))));
+    for (int j = 0; j < 4; ++j) tmax = fmaxf(tmax, fmaxf(absfin(lo_f(u[j])), absfin(hi_f(u[j]))));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
@@ -171,7 +195,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
 #if MODE == 0
     float a = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) a = fmaxf(a, fmaxf(fabsf(lo_f(u[j])), fabsf(hi_f(u[j]))));
+    for (int j = 0; j < 4; ++j) a = fmaxf(a, fmaxf(absfin(lo_f(u[j])), absfin(hi_f(u[j]))));
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
     float inv;
@@ -179,8 +203,8 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
     if (v == 0) row_s[w.start * (K / T) + bk * w.length + (w.m0 + r - w.start)] = inv;
 #endif
     uint2 q;
-    q.x = pack4(lo_f(u[0]) * s, hi_f(u[0]) * s, lo_f(u[1]) * s, hi_f(u[1]) * s);
-    q.y = pack4(lo_f(u[2]) * s, hi_f(u[2]) * s, lo_f(u[3]) * s, hi_f(u[3]) * s);
+    q.x = pack4(u[0], u[1], s);
+    q.y = pack4(u[2], u[3], s);
     STORE(reinterpret_cast<uint2 *>(row + (w.m0 + r) * K + w.k0 + 8 * v), q);
     *reinterpret_cast<uint4 *>(xs + r * XS + 8 * v) = d[i];
   }
@@ -194,7 +218,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     p[i] = xc[2 * i * XS] | ((unsigned)xc[(2 * i + 1) * XS] << 16);
-    a = fmaxf(a, fmaxf(fabsf(lo_f(p[i])), fabsf(hi_f(p[i]))));
+    a = fmaxf(a, fmaxf(absfin(lo_f(p[i])), absfin(hi_f(p[i]))));
   }
   float s = tile_s;
 #if MODE == 0
@@ -209,8 +233,7 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
   unsigned *os = reinterpret_cast<unsigned *>(xs);  // the FP8 tile, transposed, over the BF16 one
 #pragma unroll
   for (int j = 0; j < 16; ++j)  // rows 4 j .. 4 j + 3 of the column: one word
-    os[c * OS + 16 * h + j] = pack4(lo_f(p[2 * j]) * s, hi_f(p[2 * j]) * s, lo_f(p[2 * j + 1]) * s,
-                                    hi_f(p[2 * j + 1]) * s);
+    os[c * OS + 16 * h + j] = pack4(p[2 * j], p[2 * j + 1], s);
   __syncthreads();
 
   // ---- phase C: the transposed FP8 tile out, one 128-byte row a warp step ----

@@ -39,12 +39,13 @@ scale itself; the first program of each segment publishes scale and 1/scale. Lau
 bandwidth, bound the small casts (see ``triton_launch.Launcher``).
 
 The arithmetic is the reference's (``reference.py``), bit for bit: power-of-two block scales
-come from the exponent and mantissa bits of the amax (no division), values are multiplied by
-the scale, clamped to +-FP8_MAX with NaN kept, and rounded to nearest-even by the FP8
-conversion. The GPU tests compare every output with the CPU reference with ``torch.equal``.
-On the GPU the conversion (``cvt.rn.satfinite``) saturates by itself: +-inf and anything past
-FP8_MAX become +-FP8_MAX and NaN stays NaN, so the explicit clamp is the same bits
-(``formats.cast_clamp``); the interpreter's conversion (torch's, on the CPU) needs it.
+come from the exponent and mantissa bits of the amax of the block's finite values (no
+division), values are multiplied by the scale, clamped to +-FP8_MAX, and rounded to
+nearest-even by the FP8 conversion; NaN and +-inf inputs get the reference's non-finite bytes
+(``triton_tiles._quantize``). The GPU tests compare every output with the CPU reference with
+``torch.equal``. On the GPU the conversion (``cvt.rn.satfinite``) saturates finite values by
+itself, so the explicit clamp is the same bits (``formats.cast_clamp``); the interpreter's
+conversion (torch's, on the CPU) needs it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from .triton_tiles import (  # noqa: F401  (TILE, cast_warps, fp8_copies: also t
     _SB,
     TILE,
     _bounds,
+    _finite_abs,
     _fp8_consts,
     _load_transposed,
     _pow2_scale,
@@ -90,7 +92,7 @@ def _cast_tile_kernel(
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    a = tl.abs(x)
+    a = _finite_abs(x)  # block amaxes: finite values only
     rows64 = offs_m.to(tl.int64)
     if SEG:  # each row's segment: its start and length (a separate cast's [K, m_e] layout)
         if ALIGNED:  # every segment a multiple of T rows: one segment per tile, scalars
@@ -149,7 +151,7 @@ def _cast_tile_kernel(
         # column 79-82 vs 75, so there the FP8 tile is transposed.
         if MODE == 0:
             xt = _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K)
-            s_c, inv_c = _pow2_scale(tl.max(tl.abs(xt), axis=1), F_EXP, F_MANT)  # [T]: one per column
+            s_c, inv_c = _pow2_scale(tl.max(_finite_abs(xt), axis=1), F_EXP, F_MANT)  # [T]: one per column
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
             tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
             q = _quantize(xt, s_c[:, None], FMAX, OUT)

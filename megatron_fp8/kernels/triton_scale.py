@@ -83,7 +83,8 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
                           SEG: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
                           MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HIST: tl.constexpr, B: tl.constexpr):
     """Per segment ``e``: amax over its rows' partials, then (if ``SCALE``) scale and 1/scale;
-    with ``HIST`` the amax also joins ``hist[e, 0]`` (``torch.maximum``: a NaN wins)."""
+    with ``HIST`` the amax also joins ``hist[e, 0]`` (``tensor_scaling.fold_amax``: a non-finite
+    amax records the previous step's, ``hist[e, 1]``, or nothing when ``L == 1``)."""
     e = tl.program_id(0)
     if SEG:
         lo = tl.load(seg_ptr + e) * S
@@ -95,8 +96,10 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
     tl.store(amax_ptr + e, amax)
     if HIST:
         slot = hist_ptr + e.to(tl.int64) * L
-        old = tl.load(slot)  # torch.maximum(old, amax) on CUDA: old if NaN, else the larger (amax if NaN)
-        tl.store(slot, tl.where(old != old, old, tl.where(old > amax, old, amax)))
+        old = tl.load(slot)  # finite: a history holds finite amaxes only
+        prev = tl.load(slot + 1, mask=L > 1, other=0.0)
+        rec = tl.where(amax < float("inf"), amax, prev)  # an amax is >= 0 or NaN: NaN < inf is false
+        tl.store(slot, tl.where(old > rec, old, rec))
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
         tl.store(scale_ptr + e * SCALE_STRIDE, s)
@@ -169,7 +172,7 @@ def amax_and_scale(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(amax [E], scale [E], 1/scale [E])`` of ``x [M, K]`` (or of each row segment): two
     launches. ``scale=False``: amax only (to be reduced over a group first). ``history``
-    (``[E, L]``, contiguous): each amax also joins ``history[:, 0]`` as ``torch.maximum``."""
+    (``[E, L]``, contiguous): each amax also joins ``history[:, 0]`` as ``tensor_scaling.fold_amax`` does."""
     m, k = x.shape
     if history is not None and (history.dim() != 2 or history.shape[0] != n_seg or not history.is_contiguous()):
         raise ValueError(f"amax_and_scale: history {tuple(history.shape)} must be a contiguous [{n_seg}, L] stack")

@@ -1,6 +1,7 @@
 """The pieces of the Triton cast kernels that ``triton_cast`` and ``triton_persistent`` share:
-the 128x128 tile, quantization with the reference's rounding, segment lookups, the transposed
-load, the FP8 format constants and the warps per tile. (Kept apart so that neither cast module
+the 128x128 tile, quantization with the reference's rounding and non-finite bytes, block amaxes
+over finite values, segment lookups, the transposed load, the FP8 format constants and the warps
+per tile. (Kept apart so that neither cast module
 imports the other.)"""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import cast_clamp, fp8_max
+from ..quant.reference import E5M2_NEG_INF_BITS, E5M2_POS_INF_BITS, FP8_NAN_BITS
 
 TILE = 128
 CAST_WARPS = 0  # warps per 128x128 cast tile; 0: cast_warps' rule (profile_casts.py --warps sweeps it)
@@ -35,15 +37,35 @@ def _pow2_scale(amax, F_EXP: tl.constexpr, F_MANT: tl.constexpr):
 
 
 _CLAMP = tl.constexpr(cast_clamp())
+_NAN_BITS = tl.constexpr(FP8_NAN_BITS)
+_POS_INF, _NEG_INF = tl.constexpr(E5M2_POS_INF_BITS), tl.constexpr(E5M2_NEG_INF_BITS)
+
+
+@triton.jit
+def _finite_abs(v):
+    """|v| where finite, else 0: block amaxes are taken over finite values (NaN < inf is false)."""
+    a = tl.abs(v)
+    return tl.where(a < float("inf"), a, 0.0)
 
 
 @triton.jit
 def _quantize(v, scale, FMAX: tl.constexpr, OUT: tl.constexpr):
-    v = v * scale
+    """``v * scale`` (FP32 ``v``) in FP8: a finite ``v`` saturates (by the clamp, or by the GPU's
+    ``.satfinite`` conversion, which would also turn +-inf into +-FP8_MAX); a NaN or +-inf ``v``
+    gets ``reference.nonfinite_bits``' byte (E4M3 NaN; E5M2 NaN or +-inf), chosen on ``v``'s bits."""
+    q = v * scale
     if _CLAMP:
-        v = tl.minimum(tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
+        q = tl.minimum(tl.maximum(q, -FMAX, propagate_nan=tl.PropagateNan.ALL), FMAX,
                        propagate_nan=tl.PropagateNan.ALL)
-    return v.to(OUT)
+    bits = v.to(tl.int32, bitcast=True)
+    special = (bits & 0x7F800000) == 0x7F800000
+    if FMAX > 448.0:  # E5M2: +-inf stays +-inf, NaN is NaN
+        inf_bits = tl.where(bits < 0, _NEG_INF, _POS_INF)
+        nonfinite = tl.where((bits & 0x7FFFFF) == 0, inf_bits, _NAN_BITS)
+    else:
+        nonfinite = _NAN_BITS
+    byte = tl.where(special, nonfinite, q.to(OUT).to(tl.uint8, bitcast=True).to(tl.int32))
+    return byte.to(tl.uint8).to(OUT, bitcast=True)
 
 
 # Segment lookups: the count of inner boundaries ``offsets[1:n_seg]`` at or below a row, read

@@ -276,7 +276,7 @@ def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtyp
                        power_2_scale: bool = False, amax_epsilon: float = 0.0, history: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Per segment ``(amax [E], scale [E], 1/scale [E], offsets)`` in two launches (CUDA);
-    ``history [E, L]``: each amax also joins ``history[:, 0]`` (``torch.maximum``)."""
+    ``history [E, L]``: each amax also joins ``history[:, 0]`` (``tensor_scaling.fold_amax``)."""
     off = segment_offsets(splits, x.device)
     amax, s, inv = _scales().amax_and_scale(x, dtype, offsets=off, n_seg=len(splits), scale=scale,
                                            power_2_scale=power_2_scale, amax_epsilon=amax_epsilon, history=history)

@@ -25,8 +25,11 @@ def _grouped(group: dist.ProcessGroup | None) -> bool:
 
 
 def _reduce_amax(amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The max of ``amax`` over ``group``'s ranks. A NaN goes in as +inf, which every backend's MAX
+    keeps (NaN handling in a reduction is the backend's), so a non-finite amax on any rank is
+    non-finite on all of them: the scale and history rules see it the same everywhere."""
     if _grouped(group):
-        amax = amax.clone()
+        amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 

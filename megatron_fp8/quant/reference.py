@@ -5,11 +5,14 @@ Every function is pure, runs under ``torch.no_grad()`` and works on any device. 
 * ``scale`` multiplies the high-precision value into FP8 range; ``scale_inv = 1 / scale`` is what
   a GEMM multiplies back (what ``scaled_mm`` calls the scale).
 * Casts compute ``x.float() * scale``, clamp to +-FP8_MAX (saturate) and round to nearest-even.
-* An amax of zero or a non-finite amax gives scale 1.0, so the scale is always finite. With
-  scale 1.0, finite values saturate, +-inf saturates to +-FP8_MAX and NaN stays NaN.
-* NaN elements: a per-tensor amax propagates NaN (so the tensor casts with scale 1.0); a block
-  amax ignores NaN (the block keeps the scale of its finite values; the NaN stays NaN), which is
-  what the GPU kernels' max-reduction does, so CPU and GPU agree bit for bit.
+* Non-finite values surface, never vanish (RECIPES.md, "Non-finite values"): finite values
+  saturate to +-FP8_MAX, but NaN stays NaN and +-inf becomes NaN in E4M3 (which has no inf) and
+  +-inf in E5M2. Their bytes are fixed here (``nonfinite_bits``), not left to a conversion, so
+  every kernel writes the same ones: E4M3 0x7F for NaN and +-inf; E5M2 0x7F for NaN, 0x7C / 0xFC
+  for +inf / -inf.
+* A non-finite amax never becomes a scale: a per-tensor amax propagates NaN and inf, and an
+  amax of zero or a non-finite amax gives scale 1.0 (delayed scaling keeps its previous scale,
+  ``tensor_scaling``); a block amax is taken over the block's finite values (1.0 if none).
 * Power-of-two scales are rounded *down* (exact exponent arithmetic on the FP32 bits), so that
   ``amax * scale <= FP8_MAX`` and scaling is exact.
 """
@@ -57,11 +60,28 @@ def amax_to_scale(
     return scale
 
 
+# The bytes of non-finite inputs: E4M3 has no inf, so NaN for all three; E5M2 keeps +-inf.
+FP8_NAN_BITS = 0x7F
+E5M2_POS_INF_BITS, E5M2_NEG_INF_BITS = 0x7C, 0xFC
+
+
+def nonfinite_bits(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 byte (uint8) each element of ``x`` casts to where it is NaN or +-inf."""
+    nan = torch.full((), FP8_NAN_BITS, dtype=torch.uint8, device=x.device)
+    if fp8_dtype != torch.float8_e5m2:
+        return nan
+    inf = torch.where(x > 0, E5M2_POS_INF_BITS, E5M2_NEG_INF_BITS).to(torch.uint8)
+    return torch.where(torch.isnan(x), nan, inf)
+
+
 @torch.no_grad()
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Saturating cast of ``x * scale`` (``scale`` broadcastable to ``x``)."""
+    """Cast of ``x * scale`` (``scale`` broadcastable to ``x``): a finite ``x`` saturates to
+    +-FP8_MAX (also where ``x * scale`` overflows FP32); NaN and +-inf give ``nonfinite_bits``."""
     m = fp8_max(fp8_dtype)
-    return torch.clamp(x.float() * scale, min=-m, max=m).to(fp8_dtype)
+    xf = x.float()
+    q = torch.clamp(xf * scale, min=-m, max=m).to(fp8_dtype).view(torch.uint8)
+    return torch.where(torch.isfinite(xf), q, nonfinite_bits(xf, fp8_dtype)).view(fp8_dtype)
 
 
 def check_block_shape(shape: tuple[int, ...], block: int, what: str, along: str = "", dim: int = 1) -> None:
@@ -80,9 +100,10 @@ def check_block_shape(shape: tuple[int, ...], block: int, what: str, along: str 
 
 
 def block_amax(xb: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
-    """FP32 max |x| over ``dim``, ignoring NaN (an all-NaN block gives 0, hence scale 1.0)."""
+    """FP32 max |x| over ``dim`` of the finite values, NaN and +-inf left out (a block with none
+    gives 0, hence scale 1.0)."""
     a = xb.abs()
-    return torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a).amax(dim=dim).float()
+    return torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device)).amax(dim=dim).float()
 
 
 def _blocked_rows(x: torch.Tensor, block: int, what: str) -> torch.Tensor:

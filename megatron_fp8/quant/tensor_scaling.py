@@ -171,6 +171,17 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         return self._segments_out(x, splits, rows, cols, inv, scale.unbind(0))
 
 
+def fold_amax(hist: torch.Tensor, amax: torch.Tensor) -> None:
+    """Fold this cast's ``amax`` into the current step's history entry (slot 0 of ``hist [..., L]``,
+    a max over the step's casts). A non-finite amax never enters a history (RECIPES.md): it
+    records the previous step's amax (slot 1) instead, so one bad step cannot hold the scale for
+    ``amax_history_len`` steps. With ``L == 1`` there is no slot 1 and it adds nothing (the next
+    step then keeps its scale, as the previous amax would give)."""
+    prev = hist[..., 1] if hist.shape[-1] > 1 else torch.zeros_like(hist[..., 0])
+    amax = torch.where(torch.isfinite(amax), amax, prev)
+    hist[..., 0] = torch.maximum(hist[..., 0], amax)
+
+
 class Advanced(NamedTuple):
     """What ``DelayedScalingQuantizer._advance_peers`` left: the peers' stacked history (or
     None) and, where this call advanced them in one launch, ``(scales, inverses)``, each ``[E]``
@@ -186,7 +197,8 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
     State: ``scale`` (in force for the current step), ``amax_history[L]`` (slot 0 = the current
     step, max over its casts) and ``step`` (the FP8 step the history was last rolled for). At the
     first cast of a new step the scale is recomputed from the history, then the history rolls.
-    A non-finite amax is recorded but never turned into a scale: the previous scale stays.
+    A non-finite amax never becomes a scale (the cast uses the scale in force) nor enters the
+    history (``fold_amax``); a history whose amax is zero keeps the previous scale.
     """
 
     def __init__(
@@ -278,7 +290,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self._advance()
         if record_amax:
             amax = _reduce_amax(kernels.tensor_amax(x), self.group)
-            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+            fold_amax(self.amax_history, amax)
         return self.scale, torch.reciprocal(self.scale)
 
     def _config(self) -> tuple[Any, ...]:
@@ -312,10 +324,10 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         if not record_here:
             amax = _reduce_amax(amax, self.group)  # elementwise: each expert's amax reduced, as one by one
             if hist is not None:
-                hist[:, 0] = torch.maximum(hist[:, 0], amax)
+                fold_amax(hist, amax)
             else:
                 for i, p in enumerate(delayed):
-                    p.amax_history[0] = torch.maximum(p.amax_history[0], amax[i])
+                    fold_amax(p.amax_history, amax[i])
         in_force = [p.scale for p in delayed]  # kept as the per-expert casts keep them: the state's own
         if adv.laid_out is not None:  # this step's scales and inverses, already laid out for the cast
             return self._cast_laid_out(x, splits, *adv.laid_out, rowwise, columnwise, offsets, in_force)

@@ -1,0 +1,109 @@
+"""The Triton casts keep NaN and +-inf as the reference does (RECIPES.md, "Non-finite values"):
+planted NaN, +inf and -inf in BF16 inputs of every cast the kernels serve (given per-tensor
+scales, current scaling, 1x128 and 128x128 blocks, and the experts' one-launch casts), E4M3 and
+E5M2, against the reference path (the CPU's, or ``MEGATRON_FP8_CAST_BACKEND=eager``).
+
+On a GPU every byte and scale is compared (``torch.equal``). Under Triton's interpreter
+(``TRITON_INTERPRET=1``, how ``.ci/run`` runs it on a machine without a GPU) the FP8 conversion of
+finite values is the interpreter's, not the hardware's, so there the bytes of the non-finite
+values, every scale and the finiteness of everything else are compared. Skipped elsewhere (the
+CPU path is the reference itself: ``tests/test_nonfinite.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
+from megatron_fp8.quant.tensor import Operand, QuantizedTensor
+
+ON_GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton kernels: a GPU, or TRITON_INTERPRET=1 (see .ci/run)")
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+DEVICE = "cuda" if ON_GPU else "cpu"
+QUANTIZERS: dict[str, Callable[[torch.dtype], CurrentScalingQuantizer | Block1DQuantizer | Block2DQuantizer]] = {
+    "current": lambda d: CurrentScalingQuantizer(d),
+    "1x128": lambda d: Block1DQuantizer(d),
+    "128x128": lambda d: Block2DQuantizer(d),
+}
+
+
+def _planted(m: int = 256, k: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(torch.bfloat16)
+    for (i, j), v in {(3, 5): "nan", (7, k - 56): "inf", (130, 2): "-inf", (140, 140): "inf", (m - 1, 0): "-nan",
+                      (m // 2, k // 2): "-inf"}.items():
+        x[i, j] = float(v)
+    x[m - 128:, k - 128:] = float("nan")  # a whole block
+    return x
+
+
+def _reference(monkeypatch: pytest.MonkeyPatch, run: Callable[[torch.Tensor], object], x: torch.Tensor) -> object:
+    """``run`` on the reference path: on the CPU, with the eager backend (else, under the
+    interpreter, the kernels would serve CPU tensors too)."""
+    with monkeypatch.context() as m:
+        m.setenv("MEGATRON_FP8_CAST_BACKEND", "eager")
+        return run(x.cpu())
+
+
+def _same_operand(got: Operand | None, want: Operand | None, bad: torch.Tensor) -> None:
+    """Data bytes and scales of one copy; ``bad``: where its input was NaN or +-inf."""
+    assert (got is None) == (want is None)
+    if got is None or want is None:
+        return
+    g, w = got.data.cpu().view(torch.uint8), want.data.cpu().view(torch.uint8)
+    assert torch.equal(got.scale_inv.cpu(), want.scale_inv.cpu()), "scales differ"
+    assert g.shape == w.shape == bad.shape
+    if ON_GPU:
+        assert torch.equal(g, w)
+    else:  # the interpreter's conversion of finite values is not the GPU's
+        assert torch.equal(g[bad], w[bad]), "the bytes of NaN / inf differ from the reference's"
+        assert torch.isfinite(got.data.cpu().float()[~bad]).all()
+
+
+def _same(got: QuantizedTensor, want: QuantizedTensor, x: torch.Tensor) -> None:
+    bad = ~torch.isfinite(x.cpu())
+    _same_operand(got.rowwise, want.rowwise, bad)
+    _same_operand(got.columnwise, want.columnwise, bad.t())
+    if want.scale is not None:
+        assert torch.equal(got.scale.cpu(), want.scale.cpu())
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name", [*QUANTIZERS, "given scale"])
+def test_casts_keep_nonfinite_bytes(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _planted()
+    if name == "given scale":  # delayed scaling's cast (and the flagged backward's): a scale in force
+        def run(t: torch.Tensor) -> QuantizedTensor:
+            s = torch.tensor(4.0, device=t.device)
+            return CurrentScalingQuantizer(dtype).quantize(t, rowwise=True, columnwise=True, scale=s)
+    else:
+        def run(t: torch.Tensor) -> QuantizedTensor:
+            return QUANTIZERS[name](dtype).quantize(t, rowwise=True, columnwise=True)
+    got = run(x.to(DEVICE))
+    want = _reference(monkeypatch, run, x)
+    _same(got, want, x)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("name,splits", [("current", [100, 0, 156]), ("current", [128, 128]),
+                                         ("1x128", [128, 0, 128]), ("128x128", [128, 128])])
+def test_expert_casts_keep_nonfinite_bytes(name: str, splits: list[int], dtype: torch.dtype,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch cast of every expert's rows (or stacked weights, 128x128) against each
+    segment cast alone by the reference."""
+    x = _planted()
+    peers = [QUANTIZERS[name](dtype) for _ in splits]
+    got = peers[0].quantize_segments(x.to(DEVICE), splits, peers=peers, rowwise=True, columnwise=True)
+    assert got is not None, "the one-launch expert cast should serve this"
+    for g, part in zip(got, x.split(splits)):
+        if part.shape[0] == 0:
+            continue
+        want = _reference(monkeypatch, lambda t: QUANTIZERS[name](dtype).quantize(t, rowwise=True, columnwise=True),
+                          part)
+        _same(g, want, part)  # type: ignore[arg-type]
