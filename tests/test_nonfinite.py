@@ -165,3 +165,27 @@ def test_one_nan_step_does_not_hold_the_delayed_scale(history: int) -> None:
     assert max(hit[4:]) < 0.1, f"after the NaN step the errors are {hit[4:]}"
     assert all(torch.equal(a, b) for a, b in zip(hit_scales[5:], twin_scales[5:]))
     assert not torch.equal(hit_scales[5], hit_scales[4])  # not held
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_an_inf_in_one_experts_tokens_stays_in_that_expert(name: str) -> None:
+    """GroupedLinear: an inf in one token of expert 1 makes that token's output row and expert 1's
+    weight gradient non-finite, as in high precision; the other experts are untouched (their
+    per-tensor scales are their own)."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    splits = [128, 256, 128]
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), 256, 128, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), 256, dtype=torch.bfloat16)
+    x[200, 31] = INF  # token 72 of expert 1
+    x.requires_grad_()
+    with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+        y = layer(x, splits)
+    y.backward(torch.randn_like(y))
+    bad_rows = (~torch.isfinite(y)).any(dim=1).nonzero().flatten().tolist()
+    assert bad_rows == [200] and (~torch.isfinite(y[200])).all()
+    assert torch.isfinite(x.grad).all()  # dx = dy w: no inf involved
+    finite_w = [bool(torch.isfinite(w.grad).all()) for w in layer.weights]
+    assert finite_w == [True, False, True]
+    assert (~torch.isfinite(layer.weights[1].grad)).sum() == 128  # column 31 of expert 1's dw
