@@ -1,0 +1,162 @@
+"""Host cost per layer, eager (the eager-host-cost issue's table): host microseconds per
+forward + backward of each layer at a token count where the GPU idles, with the BF16 references
+(``nn.Linear``, ``torch._grouped_mm``) measured in the same process, and the ratio to them.
+
+On CUDA, host time is the wall time of issuing ``--calls`` back-to-back steps (the GPU is not
+waited on; device time is given beside it: host >= device means the step is launch-bound). On
+a CPU there is no asynchronous device: the wall time per step is printed (a proxy for Python and
+dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
+measurement in N fresh processes and prints the median of each cell.
+
+    python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from benchlib import environment, markdown_table
+
+import megatron_fp8 as mf
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.recipe import PRESETS
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _host_device_us(step: Callable[[], None], calls: int) -> tuple[float, float]:
+    """(host us, device us) per step: back to back on CUDA; on a CPU both are the wall time."""
+    for _ in range(3):
+        step()
+    if not CUDA:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        us = (time.perf_counter() - t0) * 1e6 / calls
+        return us, us
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) * 1e3 / calls
+
+
+def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: object | None,
+             *args: object) -> Callable[[], None]:
+    def step() -> None:
+        if recipe is None:
+            y = layer(x, *args)
+        else:
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x, *args)
+        y.backward(dy)
+    return step
+
+
+def _grouped_mm_step(x: torch.Tensor, w: torch.Tensor, splits: list[int], dy: torch.Tensor) -> Callable[[], None]:
+    offs = torch.tensor(splits, device=x.device).cumsum(0).to(torch.int32)
+
+    def step() -> None:
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        y.backward(dy)
+    return step
+
+
+def _uneven(tokens: int, experts: int) -> list[int]:
+    """A routed-looking split of ``tokens * experts`` rows: uneven, none a multiple of 16."""
+    total = tokens * experts
+    weights = [1.0 + 0.9 * ((7 * i) % experts) / experts for i in range(experts)]
+    splits = [int(total * w / sum(weights)) // 2 * 2 + 1 for w in weights]
+    splits[-1] += total - sum(splits)
+    return splits
+
+
+def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """(row label, host us, device us) for every row of the table."""
+    dt, t, k, n, e = torch.bfloat16, args.tokens, args.k, args.n, args.experts
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(t, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
+    dy = torch.randn(t, n, device=DEVICE, dtype=dt, generator=g)
+    rows: list[tuple[str, float, float]] = []
+
+    def add(label: str, step: Callable[[], None]) -> None:
+        rows.append((label, *_host_device_us(step, args.calls)))
+
+    add("BF16 nn.Linear", _fwd_bwd(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=dt), x, dy, None))
+    ours = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
+    add("our Linear, FP8 off", _fwd_bwd(ours, x, dy, None))
+    for name in ("current", "blockwise", "delayed"):
+        add(f"our Linear, {name}", _fwd_bwd(ours, x, dy, PRESETS[name]))
+    xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
+    dye = torch.randn(t * e, n, device=DEVICE, dtype=dt, generator=g)
+    even = [t] * e
+    if hasattr(torch, "_grouped_mm") and CUDA:
+        w = torch.randn(e, n, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
+        add(f"BF16 torch._grouped_mm ({e} experts)", _grouped_mm_step(xe, w, even, dye))
+    grouped = GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=DEVICE)
+    add("our GroupedLinear, FP8 off, even splits", _fwd_bwd(grouped, xe, dye, None, even))
+    for name in ("current", "blockwise"):
+        add(f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped, xe, dye, PRESETS[name], even))
+    add("our GroupedLinear, current, uneven splits",
+        _fwd_bwd(grouped, xe, dye, PRESETS["current"], _uneven(t, e)))
+    return rows
+
+
+def _table(runs: list[list[tuple[str, float, float]]]) -> str:
+    labels = [r[0] for r in runs[0]]
+    host = {lab: statistics.median(run[i][1] for run in runs) for i, lab in enumerate(labels)}
+    dev = {lab: statistics.median(run[i][2] for run in runs) for i, lab in enumerate(labels)}
+    linear_ref = host["BF16 nn.Linear"]
+    grouped_ref = next((host[lab] for lab in labels if lab.startswith("BF16 torch._grouped_mm")), None)
+    out = []
+    for lab in labels:
+        ref = grouped_ref if "Grouped" in lab or "_grouped_mm" in lab else linear_ref
+        ratio = f"{host[lab] / ref:.2f}x" if ref else "n/a"
+        out.append([lab, f"{host[lab]:.0f}", f"{dev[lab]:.0f}" if CUDA else "-", ratio])
+    what = "host us per fwd+bwd" if CUDA else "wall us per fwd+bwd (CPU)"
+    return markdown_table(["layer", what, "device us", "vs its BF16 reference"], out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--calls", type=int, default=20, help="steps timed back to back")
+    p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's rows, for the parent
+    args = p.parse_args()
+    for v, name in ((args.tokens, "--tokens"), (args.k, "--k"), (args.n, "--n")):
+        if v <= 0 or v % 128:
+            p.error(f"{name}={v}: must be a positive multiple of 128 (the block recipes' features and tokens)")
+    if args.json:
+        print(json.dumps(measure(args)))
+        return
+    if args.processes > 1:
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--json"]
+        runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+                for _ in range(args.processes)]
+    else:
+        runs = [measure(args)]
+    print(f"# Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
+          f"{args.tokens} tokens), median of {len(runs)} process(es)\n\n{environment()}\n")
+    print(_table(runs))
+
+
+if __name__ == "__main__":
+    main()

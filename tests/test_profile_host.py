@@ -1,0 +1,43 @@
+"""``scripts/profile_host.py`` (the eager host-cost table) on CPU: it prints every row of the
+issue's table from fresh processes (``--processes``), its uneven splits are uneven and cover
+every token, and sizes the block recipes cannot take are refused by name."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import profile_host  # noqa: E402 - a script, found through the path set above
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPTS / "profile_host.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_table_from_two_processes() -> None:
+    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--processes", "2")
+    assert out.returncode == 0, out.stderr
+    assert "median of 2 process(es)" in out.stdout
+    for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
+                  "our Linear, delayed", "our GroupedLinear, FP8 off, even splits",
+                  "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
+                  "our GroupedLinear, current, uneven splits"):
+        row = re.search(rf"^\| {re.escape(label)} \| (\d+) \|", out.stdout, re.M)
+        assert row and int(row.group(1)) > 0, f"{label} missing or zero:\n{out.stdout}"
+
+
+def test_uneven_splits_cover_every_token() -> None:
+    for tokens, experts in ((256, 8), (128, 2), (2048, 64)):
+        splits = profile_host._uneven(tokens, experts)
+        assert sum(splits) == tokens * experts and len(set(splits)) > 1
+        assert all(s > 0 and s % 16 for s in splits)
+
+
+def test_sizes_the_block_recipes_refuse_are_named() -> None:
+    out = _run("--k", "100")
+    assert out.returncode != 0 and "--k=100" in out.stderr and "multiple of 128" in out.stderr
