@@ -107,3 +107,35 @@ def test_expert_casts_keep_nonfinite_bytes(name: str, splits: list[int], dtype: 
         want = _reference(monkeypatch, lambda t: QUANTIZERS[name](dtype).quantize(t, rowwise=True, columnwise=True),
                           part)
         _same(g, want, part)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algo,history", [("max", 4), ("most_recent", 4), ("max", 1)])
+def test_delayed_state_in_kernels_equals_torch(algo: str, history: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delayed-scaling Linear whose steps advance in one launch per quantizer and whose amaxes
+    fold into the history inside the amax launch keeps the bits of the torch ops (the eager
+    backend), over steps with a NaN and an inf in x: every scale, inverse and history entry."""
+    import megatron_fp8 as mf
+    from megatron_fp8.recipe import DelayedScaling
+
+    recipe = DelayedScaling(amax_history_len=history, margin=1, amax_compute_algo=algo)
+    states = {}
+    for backend in ("auto", "eager"):
+        monkeypatch.setenv("MEGATRON_FP8_CAST_BACKEND", backend)
+        torch.manual_seed(0)
+        layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16, device=DEVICE)
+        seen = []
+        for step in range(6):
+            x = (torch.randn(128, 256, generator=torch.Generator().manual_seed(step)) * 2.0**step).to(torch.bfloat16)
+            if step in (2, 4):
+                x[5, 7] = float("nan") if step == 2 else float("inf")
+            x = x.to(DEVICE).requires_grad_()
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x)
+                qs = layer.fp8_quantizers()
+            y.backward(torch.ones_like(y))
+            for q in (qs.input, qs.weight, qs.grad_output):
+                _, inv = q._scale_for(torch.zeros(1, 1, device=DEVICE), record_amax=False)
+                seen += [q.scale.clone().cpu(), inv.clone().cpu(), q.amax_history.clone().cpu()]
+        states[backend] = seen
+    for got, want in zip(*states.values(), strict=True):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

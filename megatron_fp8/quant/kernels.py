@@ -186,11 +186,21 @@ def _block_kernel_ok(x: torch.Tensor, columnwise: bool, block: int, pow2: bool, 
     return block == 128 and pow2 and eps == 0.0 and _transpose_ok(x, columnwise)
 
 
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as an FP32 scalar (NaN propagates), ``reference.tensor_amax``'s value."""
+def tensor_amax(x: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+    """``max |x|`` as an FP32 scalar (NaN propagates), ``reference.tensor_amax``'s value;
+    ``history`` (``[1, L]``, where ``amax_folds``): the amax also joins ``history[0, 0]`` as
+    ``tensor_scaling.fold_amax`` does, in the same launch."""
     if _fused(x):
-        return _scales().amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(())
+        return _scales().amax_and_scale(x, torch.float8_e4m3fn, scale=False, history=history)[0].view(())
+    if history is not None:
+        raise ValueError("tensor_amax: history= needs the kernels (see amax_folds)")
     return ref.tensor_amax(x)
+
+
+def amax_folds(x: torch.Tensor, history: torch.Tensor) -> bool:
+    """Whether ``tensor_amax(x, history=...)`` folds the amax into ``history`` (1-D, contiguous,
+    on ``x``'s device) in its launch: where the kernels serve ``x``."""
+    return _fused(x) and history.is_contiguous() and history.device == x.device
 
 
 def tensor_scale(x: torch.Tensor, dtype: torch.dtype, *, power_2_scale: bool = False,

@@ -216,6 +216,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.scale = torch.ones((), dtype=torch.float32, device=device)
         self.step = 0
         self._row: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (stack, i, view): see _advance_peers
+        self._inverse: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, 1 / scale): see _scale_inv
 
     def _to(self, device: torch.device) -> None:
         if self.amax_history.device != device:
@@ -223,11 +224,28 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             self.scale = self.scale.to(device)
 
     def _advance(self) -> None:
+        """A new step's scale and rolled history: on the kernels' device one launch
+        (``kernels.delayed_state`` of this one quantizer, which also gives 1/scale), else the
+        ~20 torch ops of ``_next_state``; the same bits."""
         now = fp8_step()
         if now == self.step:
             return
-        self.scale, self.amax_history = self._next_state(self.amax_history, self.scale)
+        fused = kernels.delayed_state(self.amax_history.view(1, -1), self.scale.view(1), self.fp8_dtype,
+                                      margin=self.recipe.margin, algo_max=self.recipe.amax_compute_algo == "max")
+        if fused is not None:
+            scale, inv, hist = fused
+            self.scale, self.amax_history = scale[0], hist[0]
+            self._inverse = (self.scale, inv[0])
+        else:
+            self.scale, self.amax_history = self._next_state(self.amax_history, self.scale)
         self.step = now
+        self._row = None
+
+    def _scale_inv(self) -> torch.Tensor:
+        """1 / scale: the one a fused step computed with this scale (the same bits as
+        ``torch.reciprocal``), else computed now."""
+        kept = self._inverse
+        return kept[1] if kept is not None and kept[0] is self.scale else torch.reciprocal(self.scale)
 
     def _next_state(self, hist: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's new ``(scale, history)`` from the history (``[L]``, or ``[E, L]`` for
@@ -283,15 +301,18 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         for p, s, h, i in zip(peers, scale.unbind(0), hist.unbind(0), range(len(peers))):
             p.scale, p.amax_history, p.step = s, h, now
             p._row = (hist, i, h)
+            p._inverse = (s, inv[i]) if fused is not None else None
         return Advanced(hist, (scale, inv) if fused is not None else None)
 
     def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
         self._to(x.device)
         self._advance()
         if record_amax:
-            amax = _reduce_amax(kernels.tensor_amax(x), self.group)
-            fold_amax(self.amax_history, amax)
-        return self.scale, torch.reciprocal(self.scale)
+            if not _grouped(self.group) and kernels.amax_folds(x, self.amax_history):
+                kernels.tensor_amax(x, history=self.amax_history.view(1, -1))  # amax and fold_amax in the kernel
+            else:
+                fold_amax(self.amax_history, _reduce_amax(kernels.tensor_amax(x), self.group))
+        return self.scale, self._scale_inv()
 
     def _config(self) -> tuple[Any, ...]:
         return (*super()._config(), self.recipe, self.group)
