@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchlib import environment, markdown_table
+from benchlib import environment, host_and_device_ms, markdown_table
 
 import megatron_fp8 as mf
 from megatron_fp8.modules.grouped import GroupedLinear
@@ -37,22 +37,14 @@ def _host_device_us(step: Callable[[], None], calls: int) -> tuple[float, float]
     """(host us, device us) per step: back to back on CUDA; on a CPU both are the wall time."""
     for _ in range(3):
         step()
-    if not CUDA:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-        us = (time.perf_counter() - t0) * 1e6 / calls
-        return us, us
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if CUDA:
+        host_ms, device_ms = host_and_device_ms(step, n=calls)
+        return host_ms * 1e3, device_ms * 1e3
     t0 = time.perf_counter()
-    start.record()
     for _ in range(calls):
         step()
-    end.record()
-    host = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) * 1e3 / calls
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    return us, us
 
 
 def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: object | None,
