@@ -230,7 +230,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         now = fp8_step()
         if now == self.step:
             return
-        fused = kernels.delayed_state(self.amax_history.view(1, -1), self.scale.view(1), self.fp8_dtype,
+        fused = kernels.delayed_state(self.amax_history.unsqueeze(0), self.scale.reshape(1), self.fp8_dtype,
                                       margin=self.recipe.margin, algo_max=self.recipe.amax_compute_algo == "max")
         if fused is not None:
             scale, inv, hist = fused
@@ -309,7 +309,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self._advance()
         if record_amax:
             if not _grouped(self.group) and kernels.amax_folds(x, self.amax_history):
-                kernels.tensor_amax(x, history=self.amax_history.view(1, -1))  # amax and fold_amax in the kernel
+                kernels.tensor_amax(x, history=self.amax_history.unsqueeze(0))  # amax and fold_amax in the kernel
             else:
                 fold_amax(self.amax_history, _reduce_amax(kernels.tensor_amax(x), self.group))
         return self.scale, self._scale_inv()
