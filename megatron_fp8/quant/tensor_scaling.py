@@ -304,7 +304,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             p._inverse = (s, inv[i]) if fused is not None else None
         return Advanced(hist, (scale, inv) if fused is not None else None)
 
-    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> torch.Tensor:
+    def _scale_for(self, x: torch.Tensor, record_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self._to(x.device)
         self._advance()
         if record_amax:
