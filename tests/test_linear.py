@@ -249,3 +249,25 @@ def test_linear_extra_state_roundtrip() -> None:
                 other(x)
     with mf.fp8_autocast(fp8_recipe=recipe):  # then the right recipe resumes from it
         assert torch.equal(other(x), y_a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_off_without_bias_is_nn_linears_op(dtype: torch.dtype) -> None:
+    """FP8 off on one device, no bias, weight in the input's dtype: the layer runs nn.Linear's
+    own op (no autograd function of ours: the eager host cost), so its out and grads are
+    nn.Linear's bit for bit; with a bias (whose gradient our function sums in FP32, as the TP
+    layers do) it keeps our function."""
+    torch.manual_seed(0)
+    ours = mf.Linear(64, 32, bias=False, params_dtype=dtype)
+    ref = torch.nn.Linear(64, 32, bias=False, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(4, 8, 64, dtype=dtype)
+    got, want = (x.clone().requires_grad_() for _ in range(2))
+    y, y_ref = ours(got), ref(want)
+    assert "_Linear" not in type(y.grad_fn).__name__
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(got.grad, want.grad) and torch.equal(ours.weight.grad, ref.weight.grad)
+    assert "_Linear" in type(mf.Linear(64, 32, bias=True, params_dtype=dtype)(x).grad_fn).__name__

@@ -294,6 +294,10 @@ def linear(
             f"weight expects {weight.shape[1]} (shape {tuple(weight.shape)})"
         )
     check_float_input(x, weight, "linear")
+    if quantizers is None and comm is None and bias is None and not fuse_wgrad_accumulation and weight.dtype == x.dtype:
+        # FP8 off on one device: nn.Linear's own op (its autograd saves the same x and weight),
+        # without our autograd function's Python on every call (the eager host cost)
+        return F.linear(x, weight, bias)
     wgrad = torch.is_grad_enabled() and weight.requires_grad
     pad = _token_padding(x, quantizers, comm) if wgrad else 0
     if pad:  # block scales along the tokens (the wgrad copies): zero rows up to the block, sliced off
