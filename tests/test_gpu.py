@@ -82,16 +82,15 @@ def test_native_rowwise_agrees_with_emulation() -> None:
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("role", list(TensorRole), ids=[r.value for r in TensorRole])
 def test_gpu_casts_bitwise_equal_cpu_reference(name: str, role: TensorRole, backend: str, monkeypatch) -> None:
-    """auto = the Triton kernels where they apply (bitwise with NaN and inf in the input too);
-    compile = torch.compile of the reference, bitwise on finite inputs (inductor's FP8
-    conversion encodes a NaN differently from the CPU's, so NaN inputs are left out there)."""
+    """auto = the Triton kernels where they apply, compile = torch.compile of the reference:
+    bitwise, NaN and +-inf in the input too (their bytes are set after the FP8 conversion, whose
+    NaN encoding differs between inductor and the CPU)."""
     monkeypatch.setenv("MEGATRON_FP8_CAST_BACKEND", backend)
     x = (torch.randn(512, 1024) * torch.logspace(-2, 2, 512).unsqueeze(1)).to(torch.bfloat16)
     x[3, 7] = 0.0
     x[128:256, :128] = 0.0  # zero blocks
     x[5, 9], x[300, 1000] = 448.0 * 2**-20, -3.0e4  # amax values near powers of two / the E4M3 max
-    if backend == "auto":
-        x[7, 300], x[400, 5] = float("nan"), float("inf")  # block amaxes ignore NaN (reference.py)
+    x[7, 300], x[400, 5], x[9, 9] = float("nan"), float("inf"), float("-inf")  # block amaxes: finite values
     outs = []
     for dev in ("cpu", "cuda"):
         q = make_quantizer(RECIPES[name], role)

@@ -189,3 +189,17 @@ def test_an_inf_in_one_experts_tokens_stays_in_that_expert(name: str) -> None:
     finite_w = [bool(torch.isfinite(w.grad).all()) for w in layer.weights]
     assert finite_w == [True, False, True]
     assert (~torch.isfinite(layer.weights[1].grad)).sum() == 128  # column 31 of expert 1's dw
+
+
+def test_the_compiled_reference_keeps_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` of the reference (the GPU's path for options the kernels lack: MXFP8, an
+    amax epsilon) sets the same non-finite bytes and scales as the eager reference (inductor's own
+    FP8 conversion encodes NaN differently; the bytes are chosen after it). Forced on the CPU."""
+    x, _ = _planted()
+    for dtype in (E4, E5):
+        got = []
+        for backend in ("compile", "eager"):
+            monkeypatch.setenv("MEGATRON_FP8_CAST_BACKEND", backend)
+            got.append([t for name in ("1x128", "mx") for t in
+                        QUANTIZERS[name](dtype).quantize(x, rowwise=True, columnwise=True).tensors()])
+        assert same_bits(*got)
