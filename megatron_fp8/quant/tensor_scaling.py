@@ -224,22 +224,11 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             self.scale = self.scale.to(device)
 
     def _advance(self) -> None:
-        """A new step's scale and rolled history: on the kernels' device one launch
-        (``kernels.delayed_state`` of this one quantizer, which also gives 1/scale), else the
-        ~20 torch ops of ``_next_state``; the same bits."""
+        """A new step's scale and rolled history (``_advance_together`` of this one quantizer:
+        one launch on the kernels' device, which also gives 1/scale)."""
         now = fp8_step()
-        if now == self.step:
-            return
-        fused = kernels.delayed_state(self.amax_history.unsqueeze(0), self.scale.reshape(1), self.fp8_dtype,
-                                      margin=self.recipe.margin, algo_max=self.recipe.amax_compute_algo == "max")
-        if fused is not None:
-            scale, inv, hist = fused
-            self.scale, self.amax_history = scale[0], hist[0]
-            self._inverse = (self.scale, inv[0])
-        else:
-            self.scale, self.amax_history = self._next_state(self.amax_history, self.scale)
-        self.step = now
-        self._row = None
+        if now != self.step:
+            self._advance_together([self], now)
 
     def _scale_inv(self) -> torch.Tensor:
         """1 / scale: the one a fused step computed with this scale (the same bits as
@@ -287,11 +276,18 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             for p in stale:
                 p._advance()
             return Advanced(DelayedScalingQuantizer._stack_of(peers))
+        return DelayedScalingQuantizer._advance_together(peers, now)
+
+    @staticmethod
+    def _advance_together(peers: Sequence[DelayedScalingQuantizer], now: int) -> Advanced:
+        """The stacked step of ``_advance_peers`` (every peer stale, none twice; one peer alone
+        is ``_advance``): one ``delayed_state`` launch on the kernels' device, else the torch ops
+        of ``_next_state`` on the stack."""
         p0 = peers[0]
         stack = DelayedScalingQuantizer._stack_of(peers)
         if stack is None:
-            stack = torch.stack([p.amax_history for p in peers])
-        scales = torch.stack([p.scale for p in peers])
+            stack = torch.stack([p.amax_history for p in peers]) if len(peers) > 1 else p0.amax_history.unsqueeze(0)
+        scales = torch.stack([p.scale for p in peers]) if len(peers) > 1 else p0.scale.reshape(1)
         fused = kernels.delayed_state(stack, scales, p0.fp8_dtype, margin=p0.recipe.margin,
                                       algo_max=p0.recipe.amax_compute_algo == "max")
         if fused is not None:
