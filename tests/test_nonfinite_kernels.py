@@ -18,29 +18,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from megatron_fp8.quant.quantizers import Block1DQuantizer, Block2DQuantizer, CurrentScalingQuantizer
+from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
 from megatron_fp8.quant.tensor import Operand, QuantizedTensor
+
+from .test_nonfinite import E4, E5, QUANTIZERS, _planted
 
 ON_GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton kernels: a GPU, or TRITON_INTERPRET=1 (see .ci/run)")
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICE = "cuda" if ON_GPU else "cpu"
-QUANTIZERS: dict[str, Callable[[torch.dtype], CurrentScalingQuantizer | Block1DQuantizer | Block2DQuantizer]] = {
-    "current": lambda d: CurrentScalingQuantizer(d),
-    "1x128": lambda d: Block1DQuantizer(d),
-    "128x128": lambda d: Block2DQuantizer(d),
-}
-
-
-def _planted(m: int = 256, k: int = 256) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).unsqueeze(1)).to(torch.bfloat16)
-    for (i, j), v in {(3, 5): "nan", (7, k - 56): "inf", (130, 2): "-inf", (140, 140): "inf", (m - 1, 0): "-nan",
-                      (m // 2, k // 2): "-inf"}.items():
-        x[i, j] = float(v)
-    x[m - 128:, k - 128:] = float("nan")  # a whole block
-    return x
+KERNEL_CASTS = ("current", "1x128", "128x128")  # the quantizers whose casts the kernels serve
 
 
 def _reference(monkeypatch: pytest.MonkeyPatch, run: Callable[[torch.Tensor], object], x: torch.Tensor) -> object:
@@ -75,9 +62,9 @@ def _same(got: QuantizedTensor, want: QuantizedTensor, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("name", [*QUANTIZERS, "given scale"])
+@pytest.mark.parametrize("name", [*KERNEL_CASTS, "given scale"])
 def test_casts_keep_nonfinite_bytes(name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    x = _planted()
+    x, _ = _planted()
     if name == "given scale":  # delayed scaling's cast (and the flagged backward's): a scale in force
         def run(t: torch.Tensor) -> QuantizedTensor:
             s = torch.tensor(4.0, device=t.device)
@@ -97,7 +84,7 @@ def test_expert_casts_keep_nonfinite_bytes(name: str, splits: list[int], dtype: 
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-launch cast of every expert's rows (or stacked weights, 128x128) against each
     segment cast alone by the reference."""
-    x = _planted()
+    x, _ = _planted()
     peers = [QUANTIZERS[name](dtype) for _ in splits]
     got = peers[0].quantize_segments(x.to(DEVICE), splits, peers=peers, rowwise=True, columnwise=True)
     assert got is not None, "the one-launch expert cast should serve this"
