@@ -14,28 +14,26 @@ on for ``linear_fc2`` (the activation's consumer).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..autocast import current_fp8_state
-from ..ops.grouped_linear import expert_rows
-from ..recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
+from ..ops.grouped_linear import expert_rows, layout_rows
+from ..quant.quantizers import make_quantizer
+from ..recipe import Recipe, TensorRole
 from .specs import import_megatron, lazy_class
 
 __all__ = ["ExpertPadding", "ExpertUnpadding", "alignment"]  # and GroupedMLP (module __getattr__)
 
 
+@functools.lru_cache(maxsize=32)
 def alignment(recipe: Recipe | None) -> int:
-    """Rows per expert that the recipe's FP8 GEMMs need to run natively (1: no FP8)."""
-    if recipe is None:
-        return 1
-    if isinstance(recipe, Float8BlockScaling):
-        return 128
-    if isinstance(recipe, MXFP8BlockScaling):
-        return 32
-    return 16
+    """Rows per expert that the recipe's FP8 GEMMs need to run natively (1: no FP8): the grouped
+    layers' rule (``layout_rows``) for the layout the recipe casts activations with."""
+    return 1 if recipe is None else layout_rows(make_quantizer(recipe, TensorRole.INPUT).layout)
 
 
 def _active_alignment() -> int:

@@ -309,12 +309,17 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     return dx, dws
 
 
+def layout_rows(layout: ScaleLayout) -> int:
+    """Rows per expert that GEMMs on activations cast with ``layout`` need to run natively: 128
+    for 1x128 blocks, 32 for MXFP8, 16 for per-tensor scales (cuBLAS)."""
+    return {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}.get(layout, 16)
+
+
 def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.device) -> int:
-    """Rows per expert the recipe's GEMMs need to run natively on ``device``: 16 for per-tensor
-    scales (cuBLAS), 128 for 1x128 blocks, 32 for MXFP8; 1 with FP8 off or off CUDA."""
+    """``layout_rows`` of the experts' input casts on CUDA; 1 with FP8 off or off CUDA."""
     if not quantizers or device.type != "cuda":
         return 1
-    return {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}.get(quantizers[0].input.layout, 16)
+    return layout_rows(quantizers[0].input.layout)
 
 
 def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
