@@ -338,7 +338,7 @@ def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tupl
 
 def _as_count(m: object) -> object:
     """An integer-like token count (Python or NumPy int) as an int; anything else as it is."""
-    if isinstance(m, bool) or isinstance(m, int):
+    if isinstance(m, int):  # bool included: the checks below name it
         return m
     try:
         return operator.index(m)  # type: ignore[arg-type]  # NumPy / torch integer scalars
