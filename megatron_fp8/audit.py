@@ -335,7 +335,7 @@ def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
                                    qk_pos_emb_head_dim=128, v_head_dim=64, rope_type="rope")
     else:
         cfg = TransformerConfig(**common, num_query_groups=2, **(experts if moe else {}))
-    _cpu_accommodations()
+    cpu_accommodations()
     spec = get_gpt_layer_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe, normalization="RMSNorm",
                               multi_latent_attention=mla, qk_layernorm=mla, core_attention=core_attention)
     torch.manual_seed(0)
@@ -354,11 +354,11 @@ def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
     return model, step
 
 
-def _cpu_accommodations() -> None:
-    """This command runs the model on the CPU; megatron-core assumes CUDA in three places it
-    reaches here, which this process points at the CPU: the local attention's CUDA RNG fork (for
-    a dropout of 0), the router moving its weight to ``torch.cuda.current_device()``, and
-    megatron-core 0.16's router testing a TE-only name."""
+def cpu_accommodations() -> None:
+    """Run megatron-core's models on the CPU (this command; the test workers too): megatron-core
+    assumes CUDA in three places a model's step reaches, which this process points at the CPU:
+    the local attention's CUDA RNG fork (for a dropout of 0), the router moving its weight to
+    ``torch.cuda.current_device()``, and megatron-core 0.16's router testing a TE-only name."""
     from megatron.core import tensor_parallel
 
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()

@@ -25,7 +25,6 @@ import warnings
 import torch
 from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
-from spec_worker import _cpu_rng_shim
 
 warnings.filterwarnings("ignore")
 from megatron.core import parallel_state  # noqa: E402
@@ -33,7 +32,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 import megatron_fp8 as mf  # noqa: E402
-from megatron_fp8.audit import columnwise_copy_bytes  # noqa: E402
+from megatron_fp8.audit import columnwise_copy_bytes, cpu_accommodations  # noqa: E402
 from megatron_fp8.config import FP8Config, LayerRule, apply_layer_flags  # noqa: E402
 from megatron_fp8.megatron import get_gpt_layer_spec, plugin  # noqa: E402
 from megatron_fp8.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -134,7 +133,7 @@ def main() -> int:
     ck = Checker(rank)
     for tp in (world, 1):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        _cpu_rng_shim()
+        cpu_accommodations()
         ck.guard("build", f"MLA GPT at TP={tp}", check_build, ck, tp)
         ck.guard("flags", f"MLA flags at TP={tp}", check_flags_and_bytes, ck, tp)
         ck.guard("up_proj", f"mla_up_proj recompute at TP={tp}", check_up_proj_recompute, ck, tp)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
-from spec_worker import _cpu_rng_shim, gpt_batch
+from spec_worker import gpt_batch
 
 warnings.filterwarnings("ignore")
 _rules = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
@@ -57,6 +57,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from megatron_fp8 import gemm  # noqa: E402
+from megatron_fp8.audit import cpu_accommodations  # noqa: E402
 from megatron_fp8.megatron import plugin  # noqa: E402
 from megatron_fp8.modules.base import FP8Module  # noqa: E402
 
@@ -265,7 +266,7 @@ def main() -> int:
     _cpu_shims()
     ck = Checker(rank)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    _cpu_rng_shim()
+    cpu_accommodations()
     ck.guard("errors", "bad input to the plug-in", check_errors, ck)
     ck.guard("build", "main vs older builder path", check_builders, ck, world)
     ck.guard("build", "the baseline spec", check_baseline_spec, ck, world)

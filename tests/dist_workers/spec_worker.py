@@ -36,13 +36,13 @@ import torch.distributed as dist
 from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
 
+from megatron_fp8.audit import cpu_accommodations
 from megatron_fp8.config import FP8Config, LayerRule, apply_layer_flags
 from megatron_fp8.megatron import fp8_context, get_gpt_layer_spec
 from megatron_fp8.parallel import ColumnParallelLinear, RowParallelLinear
 
 warnings.filterwarnings("ignore")
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core import tensor_parallel as mtp  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
@@ -104,7 +104,7 @@ def run_checks(checks: list[tuple[str, str, Callable[..., None], tuple[Any, ...]
         shim()
     ck = Checker(rank)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp or world)
-    _cpu_rng_shim()
+    cpu_accommodations()
     for cat, name, fn, args in checks:
         ck.guard(cat, name, fn, ck, *args)
     code = ck.report()
@@ -238,18 +238,6 @@ def compare_moe(ck: Checker, tp: int) -> None:
         settings = SimpleNamespace(fp8="e4m3", fp8_recipe=name, fp8_amax_history_len=16, fp8_amax_compute_algo="max")
         y, dx, _ = _moe_run(layers["grouped"], fp8_context(settings))
         ck.close("moe", f"grouped {name} out", y, y0, MOE_FP8_RTOL)
-
-
-def _cpu_rng_shim() -> None:
-    """Test-only: megatron-core's attention forks its CUDA RNG tracker around dropout; with
-    dropout 0 on CPU there is nothing to fork, so make ``fork`` a no-op context."""
-    tracker = mtp.get_cuda_rng_tracker()
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
-    # megatron-core 0.16's router gemm tests ``te_general_gemm`` that is only defined with TE
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def main() -> int:
