@@ -36,7 +36,8 @@ from .autocast import current_fp8_state
 from .memory import _is_parameter
 from .recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
-__all__ = ["audit", "AuditReport", "LinearAudit", "RecomputeCandidate", "Recorder", "columnwise_copy_bytes"]
+__all__ = ["audit", "AuditReport", "GPTShape", "LinearAudit", "RecomputeCandidate", "Recorder", "columnwise_copy_bytes",
+           "example_gpt"]
 
 
 def columnwise_copy_bytes(recipe: Recipe | None, tokens: int, k: int) -> int:
@@ -308,7 +309,25 @@ def _report(rec: Recorder) -> AuditReport:
 
 
 # ---- command line: a small megatron-core GPT from our spec, on CPU ----
-def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
+@dataclass(frozen=True)
+class GPTShape:
+    """Sizes of the example GPT (the command's defaults: small enough for a CPU step in seconds)."""
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    ffn: int = 512
+    seq: int = 256
+    batch: int = 2
+    vocab: int = 1024
+
+
+def example_gpt(kind: str, core_attention: str, shape: GPTShape = GPTShape(), device: str = "cpu"
+                ) -> tuple[nn.Module, Callable[[], Any]]:
+    """A megatron-core GPTModel from our spec (``kind``: ``gpt`` dense, ``moe`` with grouped and
+    shared experts, ``mla`` multi-latent attention), BF16 in Megatron's ``Float16Module``, and a
+    ``step()`` doing one forward+backward on fixed random tokens. Initialises a one-rank process
+    group and megatron-core's model parallelism where none is."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -320,33 +339,35 @@ def _gpt(kind: str, core_attention: str) -> tuple[nn.Module, Callable[[], Any]]:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    moe, mla = kind == "moe", kind == "mla"
-    experts = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=True,
-                   moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=256,
+    moe, mla, h = kind == "moe", kind == "mla", shape.hidden
+    experts = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=shape.ffn // 2, moe_grouped_gemm=True,
+                   moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=shape.ffn // 2,
                    moe_router_load_balancing_type="none")
-    common = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+    common = dict(num_layers=shape.layers, hidden_size=h, num_attention_heads=shape.heads, ffn_hidden_size=shape.ffn,
                   use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0,
                   attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                   gradient_accumulation_fusion=False, persist_layer_norm=False, normalization="RMSNorm")
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        cfg = MLATransformerConfig(**common, q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64,
-                                   qk_pos_emb_head_dim=128, v_head_dim=64, rope_type="rope")
+        # kv_down's output (kv_lora_rank + the RoPE dim) a multiple of 128: block-scaled weights
+        cfg = MLATransformerConfig(**common, q_lora_rank=h, kv_lora_rank=h // 2, qk_head_dim=h // shape.heads,
+                                   qk_pos_emb_head_dim=128, v_head_dim=h // shape.heads, rope_type="rope")
     else:
-        cfg = TransformerConfig(**common, num_query_groups=2, **(experts if moe else {}))
+        cfg = TransformerConfig(**common, num_query_groups=max(1, shape.heads // 2), **(experts if moe else {}))
     cpu_accommodations()
     spec = get_gpt_layer_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe, normalization="RMSNorm",
                               multi_latent_attention=mla, qk_layernorm=mla, core_attention=core_attention)
     torch.manual_seed(0)
-    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=1024, max_sequence_length=256,
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=shape.vocab, max_sequence_length=shape.seq,
                    position_embedding_type="rope" if mla else "learned_absolute")  # MLA applies RoPE itself
     from megatron.core.transformer.module import Float16Module
 
-    model = Float16Module(cfg, gpt)  # BF16 as Megatron trains it (module names keep the "module." prefix)
-    tokens = torch.randint(0, 1024, (2, 256))
-    pos = torch.arange(256).expand(2, 256)
-    mask = torch.ones(1, 1, 256, 256, dtype=torch.bool).tril().logical_not()
+    model = Float16Module(cfg, gpt).to(device)  # BF16 as Megatron trains it (names keep the "module." prefix)
+    b, s = shape.batch, shape.seq
+    tokens = torch.randint(0, shape.vocab, (b, s), device=device)
+    pos = torch.arange(s, device=device).expand(b, s)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).tril().logical_not()
 
     def step() -> None:
         model(tokens, pos, mask, labels=tokens).float().mean().backward()
@@ -385,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     ap.add_argument("--plot", help="write a bar chart of what the flag saves or costs per linear")
     args = ap.parse_args(argv)
-    model, step = _gpt(args.model, args.core_attention)
+    model, step = example_gpt(args.model, args.core_attention)
     cfg = load_config(args.config) if args.config else None
     if cfg is not None and cfg.layers:
         apply_layer_flags(model.module, cfg)  # names as in a GPTModel (inside Float16Module)

@@ -99,3 +99,13 @@ def same_bits(one: Sequence[torch.Tensor | None], two: Sequence[torch.Tensor | N
     return all((a is None and b is None)
                or (a is not None and b is not None and a.shape == b.shape and torch.equal(bits(a), bits(b)))
                for a, b in zip(one, two, strict=True))
+
+
+def router_splits(tokens: int, experts: int, topk: int, hidden: int = 256, seed: int = 7) -> list[int]:
+    """Rows per expert as a top-k router hands them out (softmax over a random projection of random
+    tokens, top ``topk``): ``tokens * topk`` rows in all, uneven, rarely a multiple of 16 or 128,
+    as a real MoE step sees them (benchmarks and tests of the grouped layers)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, hidden, generator=g) @ torch.randn(hidden, experts, generator=g)
+    chosen = logits.softmax(-1).topk(topk, dim=-1).indices
+    return torch.bincount(chosen.flatten(), minlength=experts).tolist()

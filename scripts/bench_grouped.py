@@ -2,9 +2,11 @@
 ``GroupedLinear`` per recipe, forward and forward+backward, casts included; TFLOP/s table + PNG.
 
     python scripts/bench_grouped.py [--experts 8] [--tokens 2048] [--recipes current blockwise ...] \\
-        [--graphed-only] [--out DIR]
+        [--splits even router] [--graphed-only] [--out DIR]
 
-Shapes (issue 5): 8 experts x 2048 tokens each, (K=4096, N=2048) and (K=2048, N=7168).
+Shapes (issue 5): 8 experts x 2048 tokens each, (K=4096, N=2048) and (K=2048, N=7168); each with
+even splits and with the same rows split as a top-2 router hands them out (``--splits``: uneven,
+mostly not multiples of 16 or 128, as a real MoE step sees them).
 FLOPs: forward 2*M*N*K, forward+backward 6*M*N*K, M = experts * tokens.
 BF16 baseline: ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` forward; backward as two
 explicit grouped calls (dgrad ``dy @ w``, wgrad ``dy.T @ x`` grouped along the tokens).
@@ -33,7 +35,7 @@ from benchlib import bar_chart, markdown_table, median_ms, write_outputs
 from megatron_fp8 import fp8_autocast
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
-from megatron_fp8.testing import capture_step
+from megatron_fp8.testing import capture_step, router_splits
 
 SHAPES = [(4096, 2048), (2048, 7168)]  # (K, N)
 GRAPHED = ("current", "blockwise")  # stateless recipes: a replayed step is the eager step
@@ -110,14 +112,22 @@ def _fp8_iteration(layer: GroupedLinear, x: torch.Tensor, dy: torch.Tensor, spli
     return iteration
 
 
+def expert_splits(kind: str, experts: int, tokens: int) -> list[int]:
+    """``even``: ``tokens`` rows per expert; ``router``: the same total as a top-2 router over
+    random tokens hands it out (uneven, mostly not multiples of 16 or 128)."""
+    if kind == "even":
+        return [tokens] * experts
+    return router_splits(experts * tokens // 2, experts, 2)
+
+
 def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], graphed_only: bool = False,
-                microbatches: int = 0) -> list[list[object]]:
+                microbatches: int = 0, split_kind: str = "even") -> list[list[object]]:
     m = experts * tokens
-    splits = [tokens] * experts
+    splits = expert_splits(split_kind, experts, tokens)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # dgrad is part of the step
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * tokens
+    offs = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
     fl_f, fl_fb = 2 * m * n * k, 6 * m * n * k
     rows: list[list[object]] = []
 
@@ -180,15 +190,18 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=0,
                    help="also time a graphed iteration of this many micro-batches (weights cast in the first "
                         "only, Megatron's is_first_microbatch), per micro-batch")
+    p.add_argument("--splits", nargs="*", choices=("even", "router"), default=["even", "router"],
+                   help="rows per expert: even, and/or as a top-2 router hands them out (same total)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped.py needs CUDA (run it on the device machine)")
     header = ["shape", "path", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "note"]
     table, series, groups = [], {}, []
-    for k, n in SHAPES:
-        shape = f"{args.experts}x{args.tokens} K={k} N={n}"
+    for (k, n), split_kind in ((shape, kind) for shape in SHAPES for kind in args.splits):
+        shape = f"{args.experts}x{args.tokens} K={k} N={n}{' router splits' if split_kind == 'router' else ''}"
         groups.append(shape)
-        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes, args.graphed_only, args.microbatches):
+        for row in bench_shape(args.experts, args.tokens, k, n, args.recipes, args.graphed_only, args.microbatches,
+                               split_kind):
             table.append([shape, *row])
             if isinstance(row[4], float):
                 series.setdefault(str(row[0]), []).append(row[4])

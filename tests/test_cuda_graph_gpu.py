@@ -91,6 +91,45 @@ def test_step_replays_bitwise(kind: str, recipe: str, flag: bool, monkeypatch: p
             assert torch.equal(got, ref), f"{kind} {recipe} flag={flag} data {seed}: output {i} differs"
 
 
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Router-like splits (not multiples of 16 / 128) are padded per expert through a row index
+    built from the host; capture takes the one the warm-up built and keeps it, so the graph
+    replays bitwise like an eager step even after other splits pushed it out of the cache."""
+    from megatron_fp8.ops.grouped_linear import _ROWS_KEPT, expert_rows
+
+    splits = [100, 3, 250, 159]
+    module = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_()
+    dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16).normal_()
+
+    def step(layer: GroupedLinear, xs: torch.Tensor, dys: torch.Tensor) -> list[torch.Tensor]:
+        xs.grad = None
+        layer.zero_grad(set_to_none=True)
+        with mf.fp8_autocast(fp8_recipe=PRESETS[recipe]):
+            y = layer(xs, splits)
+        y.backward(dys)
+        return [y, xs.grad, *(w.grad for w in layer.weights)]
+
+    graph, outs = capture_step(lambda: step(module, x, dy))
+    for i in range(_ROWS_KEPT + 2):  # other splits: the warm-up's entry leaves the cache
+        expert_rows([M - 1 - i, 1 + i, 0, 0], 16, torch.device("cuda"))
+    torch.cuda.empty_cache()
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")  # what capture ran under auto
+    eager = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
+    eager.load_state_dict(module.state_dict())
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        x.copy_(x_new)
+    dy.copy_(dy_new)
+    graph.replay()
+    want = step(eager, x_new.clone().requires_grad_(), dy_new)
+    for i, (got, ref) in enumerate(zip(outs, want)):
+        assert torch.equal(got, ref), f"{recipe}: output {i} differs"
+
 _FRESH_PROCESS = """
 import torch
 import megatron_fp8 as mf

@@ -533,3 +533,20 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
         for got, want in zip(runs[pad_to, False], runs[1, False]):
             # BF16 outputs: an FP32 sum in another order may round to the neighbouring BF16 value
             assert (got - want).float().abs().max() <= 2**-7 * want.float().abs().max().clamp(min=1.0)
+
+
+def test_expert_rows_index_and_its_cache() -> None:
+    """The padded row of every real row, the padded splits, and the bounded cache of the index
+    (a repeat of the same splits reuses it; CUDA graph capture relies on that)."""
+    from megatron_fp8.ops.grouped_linear import _ROWS, _ROWS_KEPT, expert_rows
+
+    rows, padded = expert_rows([5, 0, 17, 16], 16, torch.device("cpu"))
+    assert padded == [16, 0, 32, 16]
+    want = [*range(0, 5), *range(16, 33), *range(48, 64)]
+    assert rows.tolist() == want
+    again, _ = expert_rows((5, 0, 17, 16), 16, torch.device("cpu"))
+    assert again is rows
+    for i in range(2 * _ROWS_KEPT):
+        expert_rows([i, 1], 16, torch.device("cpu"))
+    assert len(_ROWS) == _ROWS_KEPT
+    assert expert_rows([5, 0, 17, 16], 16, torch.device("cpu"))[0] is not rows  # rebuilt, equal

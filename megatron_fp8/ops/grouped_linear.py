@@ -49,6 +49,7 @@ expert's data and scales. FP8 off: ``x`` and the weights.
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -322,16 +323,43 @@ def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.dev
     return layout_rows(quantizers[0].input.layout)
 
 
+_RowsKey = tuple[tuple[int, ...], int, torch.device]
+_ROWS: OrderedDict[_RowsKey, tuple[torch.Tensor, tuple[int, ...]]] = OrderedDict()  # the last few splits
+_ROWS_KEPT = 8
+_ROWS_CAPTURED: dict[_RowsKey, tuple[torch.Tensor, tuple[int, ...]]] = {}  # read by captured CUDA graphs
+
+
 def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """For each real row (experts back to back), its row once every expert is padded to a multiple
-    of ``align``; and the padded splits."""
-    padded = [-(-m // align) * align for m in splits]
+    of ``align``; and the padded splits. The index tensor (read-only) is kept for the last few
+    splits: building it copies from the host, which CUDA graph capture forbids, so a capture
+    takes the one its warm-up step built, and keeps it for good (the graph reads it at replay)."""
+    key = (tuple(splits), align, torch.device(device))
+    capturing = key[2].type == "cuda" and torch.cuda.is_current_stream_capturing()
+    hit = _ROWS_CAPTURED.get(key) or _ROWS.get(key)
+    if hit is None:
+        if capturing:
+            raise RuntimeError(f"grouped linear: expert splits {list(splits)} padded to {align} rows under CUDA graph "
+                               f"capture without a warm-up step with the same splits; run the step once before "
+                               f"capturing it (megatron_fp8.testing.capture_step does)")
+        hit = _ROWS[key] = _build_rows(*key)
+        if len(_ROWS) > _ROWS_KEPT:
+            _ROWS.popitem(last=False)
+    elif key in _ROWS:
+        _ROWS.move_to_end(key)
+    if capturing:
+        _ROWS_CAPTURED[key] = hit
+    return hit[0], list(hit[1])
+
+
+def _build_rows(splits: tuple[int, ...], align: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    padded = tuple(-(-m // align) * align for m in splits)
     shift, real_start, pad_start = [], 0, 0
     for m, p in zip(splits, padded):
         shift.append(pad_start - real_start)
         real_start, pad_start = real_start + m, pad_start + p
-    counts = torch.tensor(list(splits), device=device)
-    shifts = torch.tensor(shift, device=device)
+    counts_shifts = torch.tensor([*splits, *shift], device=device)  # one copy from the host
+    counts, shifts = counts_shifts[: len(splits)], counts_shifts[len(splits):]
     rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
     return rows, padded
 
