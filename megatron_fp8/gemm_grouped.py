@@ -29,7 +29,7 @@ from .gemm import Backend, forced_backend, gemm, record
 from .quant.formats import ScaleLayout
 from .quant.tensor import Operand, Operands, Pack
 
-__all__ = ["grouped_gemm", "grouped_gemm_cat", "grouped_wgrad", "back_to_back", "split_rows"]
+__all__ = ["grouped_gemm", "grouped_gemm_cat", "grouped_wgrad", "back_to_back", "one_launch_rows", "split_rows"]
 
 L = ScaleLayout
 
@@ -164,6 +164,13 @@ def _grouped_backend(device: torch.device) -> str:
             return "loop"
         _cublas_ready(device)
     return v
+
+
+def one_launch_rows(device: torch.device) -> bool:
+    """Whether eager grouped GEMMs on ``device`` take the one-launch Triton kernels where every
+    split is a multiple of 128 (CUDA, ``MEGATRON_FP8_GROUPED_GEMM`` auto or triton): the experts'
+    padding then aims at 128 rows for per-tensor scales too."""
+    return device.type == "cuda" and os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower() in ("auto", "triton")
 
 
 _cublas_threads: set[tuple[int, torch.device]] = set()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|host|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -16,7 +16,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
-    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py tests/test_*gpu*.py tests/test_persistent_cast.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # every GPU test (megatron-core from the carried Megatron-LM checkout for the audit's GPTs)
+    tests) PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py \
+        tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # the eager host cost per layer (the host-cost issue's table), median of 3 fresh processes
+    host) (cd scripts && python3 profile_host.py --processes 3) 2>&1 | tee "$OUT/profile_host.log" ;;
     # the one-launch current-scaling cast (the default): its tests, then the GPU suite with it off
     # (the two-launch fallback; a hang would be a barrier bug: the timeouts end it), then its
     # timing against the two-launch cast

@@ -99,6 +99,7 @@ def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, mo
     replays bitwise like an eager step even after other splits pushed it out of the cache."""
     from megatron_fp8.ops.grouped_linear import _ROWS_KEPT, expert_rows
 
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")  # the same kernels and padding eager and captured
     splits = [100, 3, 250, 159]
     module = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
     x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_()
@@ -116,7 +117,6 @@ def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, mo
     for i in range(_ROWS_KEPT + 2):  # other splits: the warm-up's entry leaves the cache
         expert_rows([M - 1 - i, 1 + i, 0, 0], 16, torch.device("cuda"))
     torch.cuda.empty_cache()
-    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")  # what capture ran under auto
     eager = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
     eager.load_state_dict(module.state_dict())
     g = torch.Generator(device="cuda").manual_seed(3)

@@ -175,3 +175,39 @@ def test_hybrid_block_gemm_one_group_matches_emulation(gemm_name: str) -> None:
     want = core.emulate(a, b, torch.float32)
     assert got.shape == want.shape
     assert _norm_rel(got, want) < TOL[False]
+
+
+def test_per_tensor_experts_padded_to_128_take_one_launch_per_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Router-like splits under current scaling: padded to 16 rows (cuBLAS's need) the experts'
+    GEMMs run one per expert (and torch's grouped GEMM where SM90 has it); padded to 128 (the rule
+    on CUDA under MEGATRON_FP8_GROUPED_GEMM=auto) fprop, dgrad and wgrad are one Triton launch
+    each, with the same results within accumulation order."""
+    import megatron_fp8 as mf
+    from megatron_fp8.modules.grouped import GroupedLinear
+    from megatron_fp8.ops.grouped_linear import grouped_linear, layout_rows
+    from megatron_fp8.quant.formats import ScaleLayout
+    from megatron_fp8.recipe import Float8CurrentScaling
+
+    cuda = torch.device("cuda")
+    assert layout_rows(ScaleLayout.TENSOR, cuda) == 128 and layout_rows(ScaleLayout.TENSOR) == 16
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
+    assert layout_rows(ScaleLayout.TENSOR, cuda) == 16 and layout_rows(ScaleLayout.BLOCK_1x128, cuda) == 128
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "triton")
+    splits = [100, 3, 250, 159]
+    layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16, device=DEV)
+    x = torch.randn(sum(splits), K, device=DEV).bfloat16()
+    dy = torch.randn(sum(splits), N, device=DEV).bfloat16()
+    runs = {}
+    for pad_to in (16, 128):
+        xi = x.clone().requires_grad_()
+        with core.record_gemms() as calls:
+            with mf.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+                qs, w_fp8 = layer.fp8_operands(None)
+                y = grouped_linear(xi, layer.weights, None, splits, w_fp8=w_fp8, quantizers=qs, pad_to=pad_to)
+            y.backward(dy)
+        runs[pad_to] = (calls, [y.detach(), xi.grad, *(w.grad.clone() for w in layer.weights)])
+        layer.zero_grad(set_to_none=True)
+    assert sorted(c.name for c in runs[128][0]) == ["dgrad[triton]", "fprop[triton]", "wgrad[triton]"]
+    assert not [c for c in runs[16][0] if "[triton]" in c.name]
+    for a, b in zip(runs[16][1], runs[128][1]):
+        assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()

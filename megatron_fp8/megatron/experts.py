@@ -4,11 +4,12 @@ megatron_fp8's grouped linears, made to work with ``config.fp8`` set and Transfo
 megatron-core's ``TEGroupedMLP`` asserts TE when ``config.fp8`` is set, because it pads each
 expert's tokens to the FP8 GEMM alignment with TE's ``Fp8Padding``. ``GroupedMLP`` builds it with
 the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding``, which pad each
-expert's rows to what the active recipe's GEMMs need (16 tokens for per-tensor scaling, 128 for
-1x128 block scaling, 32 for MXFP8) with zero rows that never leave the experts. The padding is
-Megatron's own contract (its forward calls the two objects); the zero rows add nothing to any
-output or gradient. As Megatron does with TE, ``moe_act`` recompute turns ``save_original_input``
-on for ``linear_fc2`` (the activation's consumer).
+expert's rows to what the active recipe's GEMMs need (128 tokens for 1x128 block scaling, 32 for
+MXFP8; per-tensor scaling 128 where the one-launch grouped GEMMs run, else 16: ``layout_rows``)
+with zero rows that never leave the experts. The padding is Megatron's own contract (its forward
+calls the two objects); the zero rows add nothing to any output or gradient. As Megatron does
+with TE, ``moe_act`` recompute turns ``save_original_input`` on for ``linear_fc2`` (the
+activation's consumer).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from ..autocast import current_fp8_state
 from ..ops.grouped_linear import expert_rows, layout_rows
+from ..quant.formats import ScaleLayout
 from ..quant.quantizers import make_quantizer
 from ..recipe import Recipe, TensorRole
 from .specs import import_megatron, lazy_class
@@ -30,15 +32,19 @@ __all__ = ["ExpertPadding", "ExpertUnpadding", "alignment"]  # and GroupedMLP (m
 
 
 @functools.lru_cache(maxsize=32)
-def alignment(recipe: Recipe | None) -> int:
-    """Rows per expert that the recipe's FP8 GEMMs need to run natively (1: no FP8): the grouped
-    layers' rule (``layout_rows``) for the layout the recipe casts activations with."""
-    return 1 if recipe is None else layout_rows(make_quantizer(recipe, TensorRole.INPUT).layout)
+def _input_layout(recipe: Recipe) -> ScaleLayout:
+    return make_quantizer(recipe, TensorRole.INPUT).layout
 
 
-def _active_alignment() -> int:
+def alignment(recipe: Recipe | None, device: torch.device | None = None) -> int:
+    """Rows per expert that the recipe's FP8 GEMMs need to run natively on ``device`` (1: no FP8):
+    the grouped layers' rule (``layout_rows``) for the layout the recipe casts activations with."""
+    return 1 if recipe is None else layout_rows(_input_layout(recipe), device)
+
+
+def _active_alignment(device: torch.device) -> int:
     state = current_fp8_state()
-    return alignment(state.recipe if state is not None and state.enabled else None)
+    return alignment(state.recipe if state is not None and state.enabled else None, device)
 
 
 class ExpertPadding:
@@ -47,7 +53,7 @@ class ExpertPadding:
 
     def __call__(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         splits = [int(m) for m in tokens_per_expert]
-        align = _active_alignment()
+        align = _active_alignment(x.device)
         if align == 1 or all(m % align == 0 for m in splits):
             return x, splits
         rows, padded = expert_rows(splits, align, x.device)
@@ -63,7 +69,7 @@ class ExpertUnpadding:
         splits = [int(m) for m in tokens_per_expert]
         if y.shape[0] == sum(splits):
             return y
-        rows, padded = expert_rows(splits, _active_alignment(), y.device)
+        rows, padded = expert_rows(splits, _active_alignment(y.device), y.device)
         if sum(padded) != y.shape[0]:
             raise RuntimeError(f"megatron_fp8 GroupedMLP: the experts' output has {y.shape[0]} rows, but the "
                                f"splits {splits} pad to {sum(padded)}; the FP8 recipe changed inside the layer")

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, split_rows
+from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, one_launch_rows, split_rows
 from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy
 from ..quant.quantizers import Quantizer, Segments
@@ -310,17 +310,24 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     return dx, dws
 
 
-def layout_rows(layout: ScaleLayout) -> int:
+def layout_rows(layout: ScaleLayout, device: torch.device | None = None) -> int:
     """Rows per expert that GEMMs on activations cast with ``layout`` need to run natively: 128
-    for 1x128 blocks, 32 for MXFP8, 16 for per-tensor scales (cuBLAS)."""
-    return {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}.get(layout, 16)
+    for 1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``
+    where ``MEGATRON_FP8_GROUPED_GEMM`` (auto, triton) lets the one-launch Triton grouped GEMMs
+    take the experts: they need whole 128-row tiles, and an eager MoE step is launch-bound (one
+    launch per GEMM instead of one per expert; the extra zero rows are at most 127 per expert)."""
+    if layout is ScaleLayout.BLOCK_1x128:
+        return 128
+    if layout is ScaleLayout.MX_1x32:
+        return 32
+    return 128 if device is not None and one_launch_rows(device) else 16
 
 
 def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.device) -> int:
     """``layout_rows`` of the experts' input casts on CUDA; 1 with FP8 off or off CUDA."""
     if not quantizers or device.type != "cuda":
         return 1
-    return layout_rows(quantizers[0].input.layout)
+    return layout_rows(quantizers[0].input.layout, device)
 
 
 _RowsKey = tuple[tuple[int, ...], int, torch.device]
