@@ -14,6 +14,7 @@ measurement in N fresh processes and prints the median of each cell.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -28,6 +29,7 @@ from benchlib import environment, host_and_device_ms, markdown_table
 import megatron_fp8 as mf
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import router_splits
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -68,13 +70,22 @@ def _grouped_mm_step(x: torch.Tensor, w: torch.Tensor, splits: list[int], dy: to
     return step
 
 
-def _uneven(tokens: int, experts: int) -> list[int]:
-    """A routed-looking split of ``tokens * experts`` rows: uneven, none a multiple of 16."""
-    total = tokens * experts
-    weights = [1.0 + 0.9 * ((7 * i) % experts) / experts for i in range(experts)]
-    splits = [int(total * w / sum(weights)) // 2 * 2 + 1 for w in weights]
-    splits[-1] += total - sum(splits)
-    return splits
+def _routed(tokens: int, experts: int, steps: int = 16) -> list[list[int]]:
+    """``steps`` different splits of ``tokens * experts`` rows as a top-2 router hands them out
+    (uneven, mostly not multiples of 16 or 128); the step takes the next one each call, as a
+    training step gets new splits, so nothing keyed by the splits is reused between steps."""
+    return [router_splits(tokens * experts // 2, experts, 2, seed=s) for s in range(steps)]
+
+
+def _routed_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: object,
+                 splits: list[list[int]]) -> Callable[[], None]:
+    turn = itertools.cycle(splits)
+
+    def step() -> None:
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, next(turn))
+        y.backward(dy)
+    return step
 
 
 def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
@@ -103,8 +114,7 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     add("our GroupedLinear, FP8 off, even splits", _fwd_bwd(grouped, xe, dye, None, even))
     for name in ("current", "blockwise"):
         add(f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped, xe, dye, PRESETS[name], even))
-    add("our GroupedLinear, current, uneven splits",
-        _fwd_bwd(grouped, xe, dye, PRESETS["current"], _uneven(t, e)))
+    add("our GroupedLinear, current, router splits", _routed_step(grouped, xe, dye, PRESETS["current"], _routed(t, e)))
     return rows
 
 

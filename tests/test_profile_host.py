@@ -26,16 +26,17 @@ def test_table_from_two_processes() -> None:
     for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
                   "our Linear, delayed", "our GroupedLinear, FP8 off, even splits",
                   "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
-                  "our GroupedLinear, current, uneven splits"):
+                  "our GroupedLinear, current, router splits"):
         row = re.search(rf"^\| {re.escape(label)} \| (\d+) \|", out.stdout, re.M)
         assert row and int(row.group(1)) > 0, f"{label} missing or zero:\n{out.stdout}"
 
 
-def test_uneven_splits_cover_every_token() -> None:
-    for tokens, experts in ((256, 8), (128, 2), (2048, 64)):
-        splits = profile_host._uneven(tokens, experts)
-        assert sum(splits) == tokens * experts and len(set(splits)) > 1
-        assert all(s > 0 and s % 16 for s in splits)
+def test_router_splits_cover_every_token_and_change_every_step() -> None:
+    for tokens, experts in ((256, 8), (128, 4), (2048, 64)):
+        steps = profile_host._routed(tokens, experts)
+        assert all(sum(splits) == tokens * experts and len(set(splits)) > 1 for splits in steps)
+        assert len({tuple(splits) for splits in steps}) == len(steps)
+        assert any(s % 16 for splits in steps for s in splits)
 
 
 def test_sizes_the_block_recipes_refuse_are_named() -> None:
