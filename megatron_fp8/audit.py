@@ -350,9 +350,9 @@ def example_gpt(kind: str, core_attention: str, shape: GPTShape = GPTShape(), de
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        # kv_down's output (kv_lora_rank + the RoPE dim) a multiple of 128: block-scaled weights
+        # DeepSeek's RoPE dim, 64: kv_down's output (kv_lora_rank + 64) ends in a partial 128x128 block
         cfg = MLATransformerConfig(**common, q_lora_rank=h, kv_lora_rank=h // 2, qk_head_dim=h // shape.heads,
-                                   qk_pos_emb_head_dim=128, v_head_dim=h // shape.heads, rope_type="rope")
+                                   qk_pos_emb_head_dim=64, v_head_dim=h // shape.heads, rope_type="rope")
     else:
         cfg = TransformerConfig(**common, num_query_groups=max(1, shape.heads // 2), **(experts if moe else {}))
     cpu_accommodations()

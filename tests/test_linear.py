@@ -271,3 +271,82 @@ def test_fp8_off_without_bias_is_nn_linears_op(dtype: torch.dtype) -> None:
     y_ref.backward(dy)
     assert torch.equal(y, y_ref) and torch.equal(got.grad, want.grad) and torch.equal(ours.weight.grad, ref.weight.grad)
     assert "_Linear" in type(mf.Linear(64, 32, bias=True, params_dtype=dtype)(x).grad_fn).__name__
+
+
+def _padded_twin(layer: torch.nn.Module, n: int, n_pad: int, grouped: bool) -> torch.nn.Module:
+    """The same layer with ``n_pad`` out features, the extra weight rows and bias entries zero."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    k = layer.in_features
+    if grouped:
+        twin = GroupedLinear(layer.num_gemms, k, n_pad, bias=True, params_dtype=torch.bfloat16)
+        pairs = list(zip([*layer.weights, *layer.biases], [*twin.weights, *twin.biases]))
+    else:
+        twin = mf.Linear(k, n_pad, bias=True, params_dtype=torch.bfloat16)
+        pairs = [(layer.weight, twin.weight), (layer.bias, twin.bias)]
+    with torch.no_grad():
+        for mine, theirs in pairs:
+            theirs.zero_()
+            theirs[:n].copy_(mine)
+    return twin
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["e4m3", "hybrid"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_partial_weight_blocks_are_zero_rows(grouped: bool, hybrid: bool) -> None:
+    """128x128 block scaling with out features that are not whole blocks (DeepSeek's kv
+    down-projection: kv_lora_rank 512 + RoPE 64 = 576): the weight is cast with zero rows up to
+    the next block and the output sliced, so out, dx, dw and db equal, bitwise, those of the same
+    layer with 640 out features whose extra rows are zero (the gradient's extra columns zero),
+    flag on == off, and the FP8 weight cached across micro-batches too."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+    from megatron_fp8.recipe import Format
+
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID if hybrid else Format.E4M3)
+    n, n_pad, k, splits = 576, 640, 256, [128, 0, 256]
+    x = torch.randn(sum(splits), k, dtype=torch.bfloat16)
+    dy = torch.randn(sum(splits), n, dtype=torch.bfloat16)
+    runs = []
+    for flag, first in ((False, None), (True, None), (False, True), (False, False)):
+        torch.manual_seed(0)
+        layer = (GroupedLinear(len(splits), k, n, bias=True, params_dtype=torch.bfloat16, save_original_input=flag)
+                 if grouped else mf.Linear(k, n, params_dtype=torch.bfloat16, save_original_input=flag))
+        twin = _padded_twin(layer, n, n_pad, grouped)
+        outs = []
+        for module, grad in ((layer, dy), (twin, torch.cat([dy, torch.zeros(len(dy), n_pad - n, dtype=dy.dtype)], 1))):
+            xi = x.clone().requires_grad_()
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                if first is False:  # a later micro-batch: the weight cast by the first is reused
+                    module(xi, *([splits] if grouped else []), is_first_microbatch=True)
+                y = module(xi, *([splits] if grouped else []), is_first_microbatch=first)
+            xi.grad = None
+            y.backward(grad)
+            params = [p.grad.clone() for p in module.parameters()]
+            outs.append([y[:, :n], xi.grad, *(p[:n] for p in params)])
+        assert outs[0][0].shape == (sum(splits), n)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        runs.append(outs[0])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_partial_weight_blocks_with_main_grad_fusion() -> None:
+    """Megatron's wgrad fusion adds the sliced weight gradient into main_grad (FP32)."""
+    torch.manual_seed(0)
+    layer = mf.Linear(256, 576, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    plain = mf.Linear(256, 576, bias=False, params_dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    layer.weight.main_grad = torch.zeros(576, 256)
+    x, dy = torch.randn(128, 256, dtype=torch.bfloat16), torch.randn(128, 576, dtype=torch.bfloat16)
+    for module in (layer, plain):
+        with mf.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+            module(x).backward(dy)
+    assert torch.equal(layer.weight.main_grad.to(torch.bfloat16), plain.weight.grad)
+
+
+def test_in_features_not_whole_blocks_name_the_fix() -> None:
+    layer = mf.Linear(192, 256, params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in features"), mf.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        layer(torch.randn(128, 192, dtype=torch.bfloat16))

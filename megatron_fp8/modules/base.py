@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..autocast import current_fp8_state
-from ..ops.linear import LinearQuantizers, mark_param_derived
+from ..ops.linear import LinearQuantizers, cast_weight
 from ..quant.quantizers import make_quantizer
 from ..quant.tensor import QuantizedTensor
 from ..quant.tensor_scaling import check_delayed_state
@@ -122,16 +122,7 @@ class FP8Module(nn.Module):
         ``is_first_microbatch`` is False (Megatron's micro-batch convention)."""
         if is_first_microbatch is False and key in self._w_cache:
             return self._w_cache[key]
-        with torch.no_grad():
-            w_q = q.weight.quantize(getattr(self, key), rowwise=True, columnwise=True)
-        return self.remember_fp8_weight(key, w_q, is_first_microbatch)
-
-    def remember_fp8_weight(self, key: str, w_q: QuantizedTensor, is_first_microbatch: bool | None
-                            ) -> QuantizedTensor:
-        """Mark a fresh cast of weight ``key`` as parameter-derived and cache it unless
-        ``is_first_microbatch`` is None (no micro-batch reuse)."""
-        mark_param_derived(w_q)
-        return self._cache_fp8_weight(key, w_q, is_first_microbatch)
+        return self._cache_fp8_weight(key, cast_weight(q.weight, getattr(self, key)), is_first_microbatch)
 
     def _cache_fp8_weight(self, key: str, value: Any, is_first_microbatch: bool | None) -> Any:
         """Keep ``value`` under ``key`` for the next micro-batches, or drop what is kept there when

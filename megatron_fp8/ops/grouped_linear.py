@@ -256,6 +256,10 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
                                            columnwise=args.wgrad and not soi)
     w_rows, w_cols = _weight_operands(args.w_fp8)
     y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
+    n_out = ctx.weights[0].shape[0]
+    ctx.n_pad = y.shape[1] - n_out  # zero rows of a partial 128x128 weight block (ops.linear.cast_weight)
+    if ctx.n_pad:
+        y = y[:, :n_out].contiguous()
     w_saved, ctx.w_meta = _stash(w_cols)
     ctx.x_meta = None
     orig: list[torch.Tensor] = []
@@ -299,6 +303,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     n = ctx.n
     orig, scales, x_saved, w_saved = _load(ctx)
     grads = _roles(args.quantizers, "grad_output")
+    if ctx.n_pad:  # the weights' zero rows: zero gradient columns
+        dy = F.pad(dy, (0, ctx.n_pad))
     dy_rows, dy_cols, _ = _cast_split(grads, dy, args.m_splits, rowwise=need_dx, columnwise=need_dw)
     dx = None
     if need_dx:
@@ -307,6 +313,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
         dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
+        if ctx.n_pad:
+            dws = [d[: d.shape[0] - ctx.n_pad] for d in dws]
     return dx, dws
 
 

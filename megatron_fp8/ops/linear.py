@@ -72,6 +72,25 @@ def _token_padding(x: torch.Tensor, quantizers: LinearQuantizers | None, comm: L
 _TOKEN_BLOCKS = {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}
 
 
+def weight_row_padding(quantizer: Quantizer, rows: int) -> int:
+    """Zero rows that bring a weight's out features to whole 128x128 blocks (0 for every other
+    layout, and where they are whole already)."""
+    block = getattr(quantizer, "block", 0) if quantizer.layout is ScaleLayout.BLOCK_128x128 else 0
+    return (-rows) % block if block else 0
+
+
+def cast_weight(quantizer: Quantizer, weight: torch.Tensor) -> QuantizedTensor:
+    """The weight's rowwise and columnwise FP8 copies (no autograd), marked parameter-derived.
+    Under 128x128 block scaling a weight whose out features are not whole blocks (DeepSeek's kv
+    down-projection: 576 = 4.5 blocks) is cast with zero rows up to the next block: the partial
+    block's scale comes from its real rows, and the linear slices the padded output columns off
+    (its gradient gets zero columns there, which leave every scale as it is)."""
+    pad = weight_row_padding(quantizer, weight.shape[0])
+    with torch.no_grad():
+        w = F.pad(weight, (0, 0, 0, pad)) if pad else weight
+        return mark_param_derived(quantizer.quantize(w, rowwise=True, columnwise=True))
+
+
 def check_float_input(x: torch.Tensor, weight: torch.Tensor, owner: str) -> None:
     """A non-floating-point input is refused as ``nn.Linear`` refuses it (FP8 off would otherwise
     cast the weight to the input's integer dtype and return zeros)."""
@@ -176,7 +195,10 @@ class _Linear(torch.autograd.Function):
             ctx.save_for_backward(x, weight)  # the local x: re-gathered in backward
         else:
             assert w_fp8 is not None
+            ctx.n_pad = w_fp8.shape[0] - weight.shape[0]  # zero rows of a partial 128x128 block (cast_weight)
             y = _forward_fp8(ctx, x, x2d, w_fp8, quantizers)
+            if ctx.n_pad:
+                y = y[:, : weight.shape[0]]
         if bias is not None:
             y = y + bias.to(y.dtype)
         if comm is None:
@@ -240,6 +262,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype
     x_saved, (w_data, w_sinv) = saved[: ctx.n_saved_x], saved[ctx.n_saved_x:]
     x_layout, w_layout = ctx.layouts
     q: LinearQuantizers = ctx.quantizers
+    if ctx.n_pad:  # the weight's zero rows: zero gradient columns (cast_weight)
+        dy = F.pad(dy, (0, ctx.n_pad))
     dy_q = q.grad_output.quantize(dy, rowwise=need_dx, columnwise=need_dw)
     x_pending = dx_pending = None
     if need_dw:
@@ -251,6 +275,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype
     dw = None
     if x_pending is not None:
         dw = gemm(dy_q.operand("columnwise"), x_pending.wait(), wgrad_dtype, name="wgrad")
+        if ctx.n_pad:
+            dw = dw[: dw.shape[0] - ctx.n_pad]
     return (dx_pending.wait() if dx_pending is not None else None), dw
 
 
@@ -281,8 +307,7 @@ def linear(
     ``comm``: token-dim communication hooks of a parallel layer (``LinearComm``); with it,
     ``x`` may be a local sequence shard and dim 0 of the output the gathered length."""
     if quantizers is not None and w_fp8 is None:
-        with torch.no_grad():
-            w_fp8 = mark_param_derived(quantizers.weight.quantize(weight, rowwise=True, columnwise=True))
+        w_fp8 = cast_weight(quantizers.weight, weight)
     if fuse_wgrad_accumulation and not hasattr(weight, "main_grad"):
         raise RuntimeError(
             "fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 buffer, as Megatron's "

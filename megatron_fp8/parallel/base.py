@@ -17,7 +17,7 @@ from torch import nn
 
 from ..autocast import current_fp8_state
 from ..modules.base import FP8Module, default_init
-from ..ops.linear import LinearQuantizers, mark_param_derived
+from ..ops.linear import LinearQuantizers, cast_weight
 from ..quant.tensor import QuantizedTensor
 from ..recipe import Recipe
 from . import _mcore
@@ -143,8 +143,7 @@ class ParallelLinearBase(FP8Module):
         warn_if_emulated(q, self._fp8_recipe, weight.device, self._owner)
         if key == "weight":
             return q, self.fp8_weight(key, q, is_first_microbatch)
-        with torch.no_grad():
-            return q, mark_param_derived(q.weight.quantize(weight, rowwise=True, columnwise=True))
+        return q, cast_weight(q.weight, weight)
 
     def fp8_mode_changed(self, recipe: Recipe | None, group: Any) -> None:
         """Every rank of the TP group (and of the amax-reduction group) must run the same recipe

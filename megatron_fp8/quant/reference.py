@@ -146,8 +146,9 @@ def check_block_shape_2d(shape: tuple[int, ...], block: int, what: str) -> None:
     if len(shape) != 2 or shape[0] % block or shape[1] % block:
         raise ValueError(
             f"{what}: shape {tuple(shape)} must be 2-D with both dims multiples of {block} "
-            f"for {block}x{block} block scaling (a weight's out and in features; with tensor parallelism, "
-            f"this rank's shard); pick sizes divisible by {block}, or use current (tensorwise) scaling"
+            f"for {block}x{block} block scaling (the linears pad a weight's out features to whole blocks; its "
+            f"in features, with tensor parallelism this rank's shard, must be a multiple); pick in features "
+            f"divisible by {block}, or use current (tensorwise) scaling"
         )
 
 
