@@ -148,3 +148,31 @@ def test_max_memory_allocated_confirms_saving(name: str) -> None:
           f"{retained / 2**20:.2f} MiB less, forward peak {peak / 2**20:.2f} MiB less")
     assert abs(retained - predicted) <= 0.01 * predicted
     assert peak >= 0.99 * predicted
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["e4m3", "hybrid"])
+def test_partial_weight_blocks_native_and_bitwise_on_cuda(hybrid: bool) -> None:
+    """DeepSeek's kv down-projection width (576 out features, 4.5 weight blocks) under 128x128
+    block scaling on the GPU: every GEMM native, and bitwise the zero-padded 640-wide layer."""
+    from megatron_fp8.recipe import Float8BlockScaling, Format
+
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID if hybrid else Format.E4M3)
+    torch.manual_seed(0)
+    layer = mf.Linear(1024, 576, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    twin = mf.Linear(1024, 640, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.weight[:576].copy_(layer.weight)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(512, 576, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for module, grad in ((layer, dy), (twin, torch.nn.functional.pad(dy, (0, 64)))):
+        xi = x.clone().requires_grad_()
+        with core.record_gemms() as calls:
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = module(xi)
+            y.backward(grad)
+        assert len(calls) == 3 and not [c for c in calls if c.backend is core.Backend.EMULATE], calls
+        outs.append([y[:, :576], xi.grad, module.weight.grad[:576]])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
