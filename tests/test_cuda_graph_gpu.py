@@ -49,6 +49,19 @@ def _stepper(module: torch.nn.Module, kind: str, recipe, x: torch.Tensor, dy: to
     return step
 
 
+def _replay_on_fresh_data(graph: torch.cuda.CUDAGraph, x: torch.Tensor, dy: torch.Tensor, seed: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New x and dy drawn from ``seed``, copied into the captured step's inputs, then a replay."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.no_grad():
+        x.copy_(x_new)
+    dy.copy_(dy_new)
+    graph.replay()
+    return x_new, dy_new
+
+
 @pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "flag-on"])
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
 @pytest.mark.parametrize("kind", ["linear", "grouped-auto", "grouped-triton"])
@@ -77,13 +90,7 @@ def test_step_replays_bitwise(kind: str, recipe: str, flag: bool, monkeypatch: p
         monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")
     eager = _module(kind, flag)
     for seed in (1, 2):  # two fresh inputs: the replay reads its inputs, not what it captured
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-        dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-        with torch.no_grad():
-            x.copy_(x_new)
-        dy.copy_(dy_new)
-        graph.replay()
+        x_new, dy_new = _replay_on_fresh_data(graph, x, dy, seed)
         xe = x_new.clone().requires_grad_()
         want = _stepper(eager, kind, PRESETS[recipe], xe, dy_new)()
         assert len(want) == len(outs)
@@ -119,13 +126,7 @@ def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, mo
     torch.cuda.empty_cache()
     eager = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
     eager.load_state_dict(module.state_dict())
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-    with torch.no_grad():
-        x.copy_(x_new)
-    dy.copy_(dy_new)
-    graph.replay()
+    x_new, dy_new = _replay_on_fresh_data(graph, x, dy, 3)
     want = step(eager, x_new.clone().requires_grad_(), dy_new)
     for i, (got, ref) in enumerate(zip(outs, want)):
         assert torch.equal(got, ref), f"{recipe}: output {i} differs"
