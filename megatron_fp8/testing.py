@@ -101,11 +101,14 @@ def same_bits(one: Sequence[torch.Tensor | None], two: Sequence[torch.Tensor | N
                for a, b in zip(one, two, strict=True))
 
 
-def router_splits(tokens: int, experts: int, topk: int, hidden: int = 256, seed: int = 7) -> list[int]:
-    """Rows per expert as a top-k router hands them out (softmax over a random projection of random
-    tokens, top ``topk``): ``tokens * topk`` rows in all, uneven, rarely a multiple of 16 or 128,
-    as a real MoE step sees them (benchmarks and tests of the grouped layers)."""
+def router_splits(rows: int, experts: int, topk: int, hidden: int = 256, seed: int = 7) -> list[int]:
+    """``rows`` expert rows split as a top-k router hands them out (softmax over a random
+    projection of ``rows // topk`` random tokens, top ``topk``; a remainder goes to the last
+    expert): uneven, rarely a multiple of 16 or 128, as a real MoE step sees them (benchmarks
+    and tests of the grouped layers)."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(tokens, hidden, generator=g) @ torch.randn(hidden, experts, generator=g)
+    logits = torch.randn(rows // topk, hidden, generator=g) @ torch.randn(hidden, experts, generator=g)
     chosen = logits.softmax(-1).topk(topk, dim=-1).indices
-    return torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    splits = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    splits[-1] += rows - sum(splits)
+    return splits

@@ -117,7 +117,7 @@ def expert_splits(kind: str, experts: int, tokens: int) -> list[int]:
     random tokens hands it out (uneven, mostly not multiples of 16 or 128)."""
     if kind == "even":
         return [tokens] * experts
-    return router_splits(experts * tokens // 2, experts, 2)
+    return router_splits(experts * tokens, experts, 2)
 
 
 def bench_shape(experts: int, tokens: int, k: int, n: int, recipes: list[str], graphed_only: bool = False,

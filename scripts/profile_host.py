@@ -74,7 +74,7 @@ def _routed(tokens: int, experts: int, steps: int = 16) -> list[list[int]]:
     """``steps`` different splits of ``tokens * experts`` rows as a top-2 router hands them out
     (uneven, mostly not multiples of 16 or 128); the step takes the next one each call, as a
     training step gets new splits, so nothing keyed by the splits is reused between steps."""
-    return [router_splits(tokens * experts // 2, experts, 2, seed=s) for s in range(steps)]
+    return [router_splits(tokens * experts, experts, 2, seed=s) for s in range(steps)]
 
 
 def _routed_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: object,
@@ -143,9 +143,12 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's rows, for the parent
     args = p.parse_args()
-    for v, name in ((args.tokens, "--tokens"), (args.k, "--k"), (args.n, "--n")):
+    for v, name in ((args.tokens, "--tokens"), (args.k, "--k")):
         if v <= 0 or v % 128:
-            p.error(f"{name}={v}: must be a positive multiple of 128 (the block recipes' features and tokens)")
+            p.error(f"{name}={v}: must be a positive multiple of 128 (the block recipes' in features, and the "
+                    f"tokens of the experts' one-launch casts)")
+    if args.n <= 0:
+        p.error(f"--n={args.n}: must be positive")
     if args.json:
         print(json.dumps(measure(args)))
         return

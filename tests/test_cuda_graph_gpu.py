@@ -100,11 +100,11 @@ def test_step_replays_bitwise(kind: str, recipe: str, flag: bool, monkeypatch: p
 
 
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
-def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_padded_splits_replay_after_other_splits(recipe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Router-like splits (not multiples of 16 / 128) are padded per expert through a row index
-    built from the host; capture takes the one the warm-up built and keeps it, so the graph
-    replays bitwise like an eager step even after other splits pushed it out of the cache."""
-    from megatron_fp8.ops.grouped_linear import _ROWS_KEPT, expert_rows
+    whose counts reach the device from pinned memory (``kernels.device_ints``): capturable, and
+    the graph replays bitwise like an eager step even after other splits evicted the cache."""
+    from megatron_fp8.quant import kernels
 
     monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop")  # the same kernels and padding eager and captured
     splits = [100, 3, 250, 159]
@@ -121,8 +121,8 @@ def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, mo
         return [y, xs.grad, *(w.grad for w in layer.weights)]
 
     graph, outs = capture_step(lambda: step(module, x, dy))
-    for i in range(_ROWS_KEPT + 2):  # other splits: the warm-up's entry leaves the cache
-        expert_rows([M - 1 - i, 1 + i, 0, 0], 16, torch.device("cuda"))
+    for i in range(kernels._INTS_KEPT + 2):  # other lists: the warm-up's entries leave the cache
+        kernels.device_ints([M - 1 - i, 1 + i, 0, 0], torch.device("cuda"))
     torch.cuda.empty_cache()
     eager = GroupedLinear(len(splits), K, N, params_dtype=torch.bfloat16, device="cuda")
     eager.load_state_dict(module.state_dict())
@@ -130,6 +130,7 @@ def test_padded_splits_replay_after_the_row_index_cache_moved_on(recipe: str, mo
     want = step(eager, x_new.clone().requires_grad_(), dy_new)
     for i, (got, ref) in enumerate(zip(outs, want)):
         assert torch.equal(got, ref), f"{recipe}: output {i} differs"
+
 
 _FRESH_PROCESS = """
 import torch
@@ -184,18 +185,12 @@ def test_graphs_replay_after_later_captures(recipe: str, path: str, monkeypatch:
     # the steps (their layers) stay alive with their graphs: a graph reads their weights' memory
     steps = [_stepper(_module(kind, False), kind, PRESETS[recipe], x, dy) for kind, x, dy in zip(kinds, xs, dys)]
     captured = [capture_step(step) for step in steps]
-    for i in range(kernels._OFFSETS_KEPT + 1):  # other splits evict the eager offsets cache
+    for i in range(kernels._INTS_KEPT + 1):  # other splits evict the eager offsets cache
         kernels.segment_offsets([128 * (i + 1), 128], torch.device("cuda"))
     monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", "loop" if path == "auto" else path)  # the captured kernels
     for seed in (1, 2):
         for i, (kind, (graph, outs)) in enumerate(zip(kinds, captured)):
-            g = torch.Generator(device="cuda").manual_seed(seed * 10 + i)
-            x_new = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-            dy_new = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
-            with torch.no_grad():
-                xs[i].copy_(x_new)
-            dys[i].copy_(dy_new)
-            graph.replay()
+            x_new, dy_new = _replay_on_fresh_data(graph, xs[i], dys[i], seed * 10 + i)
             want = _stepper(_module(kind, False), kind, PRESETS[recipe], x_new.clone().requires_grad_(), dy_new)()
             for j, (got, ref) in enumerate(zip(outs, want, strict=True)):
                 assert torch.equal(got, ref), f"graph {i} ({kind}, {recipe}, {path}), data {seed}: output {j} differs"

@@ -420,9 +420,9 @@ def test_segment_offsets_cached_and_bounded() -> None:
     first = kernels.segment_offsets([3, 0, 5], torch.device("cpu"))
     assert first.tolist() == [0, 3, 3, 8] and first.dtype == torch.int64
     assert kernels.segment_offsets((3, 0, 5), torch.device("cpu")) is first  # same splits: no new copy
-    for i in range(kernels._OFFSETS_KEPT + 1):
+    for i in range(kernels._INTS_KEPT + 1):
         kernels.segment_offsets([i + 100], torch.device("cpu"))
-    assert len(kernels._offsets_cache) == kernels._OFFSETS_KEPT
+    assert len(kernels._ints_cache) == kernels._INTS_KEPT
     assert kernels.segment_offsets([3, 0, 5], torch.device("cpu")) is not first  # evicted, rebuilt
 
 
@@ -432,19 +432,19 @@ def test_segment_offsets_kept_for_captured_graphs(monkeypatch: pytest.MonkeyPatc
     from megatron_fp8.quant import kernels
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(kernels, "_offsets_held", {})
-    monkeypatch.setattr(kernels, "_offsets_captured", [])
+    monkeypatch.setattr(kernels, "_ints_held", {})
+    monkeypatch.setattr(kernels, "_ints_captured", [])
     eager = kernels.segment_offsets([128, 256], cpu)  # made eagerly, then used by a capture
     monkeypatch.setattr(kernels, "capturing", lambda device: True)
     assert kernels.segment_offsets([128, 256], cpu) is eager
     in_capture = kernels.segment_offsets([384, 128], cpu)  # first made inside a capture
     monkeypatch.setattr(kernels, "capturing", lambda device: False)
-    for i in range(kernels._OFFSETS_KEPT + 1):  # evicts every eager entry
+    for i in range(kernels._INTS_KEPT + 1):  # evicts every eager entry
         kernels.segment_offsets([i + 1000], cpu)
     assert kernels.segment_offsets([128, 256], cpu) is eager  # held: never evicted
     again = kernels.segment_offsets([384, 128], cpu)
     assert again is not in_capture and again.tolist() == [0, 384, 512]  # eager callers get their own
-    assert any(entry[1] is in_capture for entry in kernels._offsets_captured)  # kept for the graph
+    assert any(entry[1] is in_capture for entry in kernels._ints_captured)  # kept for the graph
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -535,18 +535,10 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
             assert (got - want).float().abs().max() <= 2**-7 * want.float().abs().max().clamp(min=1.0)
 
 
-def test_expert_rows_index_and_its_cache() -> None:
-    """The padded row of every real row, the padded splits, and the bounded cache of the index
-    (a repeat of the same splits reuses it; CUDA graph capture relies on that)."""
-    from megatron_fp8.ops.grouped_linear import _ROWS, _ROWS_KEPT, expert_rows
+def test_expert_rows_index() -> None:
+    """The padded row of every real row and the padded splits (empty and aligned experts too)."""
+    from megatron_fp8.ops.grouped_linear import expert_rows
 
     rows, padded = expert_rows([5, 0, 17, 16], 16, torch.device("cpu"))
     assert padded == [16, 0, 32, 16]
-    want = [*range(0, 5), *range(16, 33), *range(48, 64)]
-    assert rows.tolist() == want
-    again, _ = expert_rows((5, 0, 17, 16), 16, torch.device("cpu"))
-    assert again is rows
-    for i in range(2 * _ROWS_KEPT):
-        expert_rows([i, 1], 16, torch.device("cpu"))
-    assert len(_ROWS) == _ROWS_KEPT
-    assert expert_rows([5, 0, 17, 16], 16, torch.device("cpu"))[0] is not rows  # rebuilt, equal
+    assert rows.tolist() == [*range(0, 5), *range(16, 33), *range(48, 64)]

@@ -152,7 +152,7 @@ def test_router_splits_run_every_expert_gemm_natively(name: str, monkeypatch: py
     0.5 dB of separate per-expert Linears' SQNR against FP32, flag on == off bitwise."""
     monkeypatch.setenv("MEGATRON_FP8_STRICT", "1")
     recipe, k, n = NATIVE[name], 1024, 512
-    splits = router_splits(2048, 8, 2)
+    splits = router_splits(4096, 8, 2)
     assert sum(splits) == 4096 and any(s % 16 for s in splits)
     x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(sum(splits), n, device="cuda", dtype=torch.bfloat16)
@@ -162,9 +162,10 @@ def test_router_splits_run_every_expert_gemm_natively(name: str, monkeypatch: py
         layer = GroupedLinear(len(splits), k, n, bias=False, params_dtype=torch.bfloat16,
                               save_original_input=flag).cuda()
         xi = x.clone().requires_grad_()
-        with core.record_gemms() as calls, mf.fp8_autocast(fp8_recipe=recipe):
-            y = layer(xi, splits)
-        y.backward(dy)
+        with core.record_gemms() as calls:
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(xi, splits)
+            y.backward(dy)
         assert calls and not [c for c in calls if c.backend is core.Backend.EMULATE], calls
         runs[flag] = [y, xi.grad, *(w.grad for w in layer.weights)]
     for a, b in zip(runs[False], runs[True]):

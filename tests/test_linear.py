@@ -324,12 +324,29 @@ def test_partial_weight_blocks_are_zero_rows(grouped: bool, hybrid: bool) -> Non
             params = [p.grad.clone() for p in module.parameters()]
             outs.append([y[:, :n], xi.grad, *(p[:n] for p in params)])
         assert outs[0][0].shape == (sum(splits), n)
+        for t in (outs[0][0], *(p.grad for p in layer.parameters())):  # no padded storage kept alive
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
         for a, b in zip(*outs):
             assert torch.equal(a, b)
         runs.append(outs[0])
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+def test_partial_weight_blocks_through_the_grouped_function() -> None:
+    """``grouped_linear`` casting the experts' weights itself pads them as the layer does."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+    from megatron_fp8.ops.grouped_linear import grouped_linear
+
+    torch.manual_seed(0)
+    layer = GroupedLinear(2, 256, 576, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    with mf.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+        want = layer(x, [128, 128])
+        qs, _ = layer.fp8_operands(None)
+        got = grouped_linear(x, layer.weights, None, [128, 128], quantizers=qs)
+    assert torch.equal(got, want)
 
 
 def test_partial_weight_blocks_with_main_grad_fusion() -> None:

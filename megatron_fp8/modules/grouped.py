@@ -17,7 +17,7 @@ from torch import nn
 
 from ..gemm_grouped import back_to_back
 from ..ops.grouped_linear import grouped_linear
-from ..ops.linear import LinearQuantizers, mark_tensors_param_derived
+from ..ops.linear import LinearQuantizers, mark_tensors_param_derived, weight_row_padding
 from ..quant.quantizers import Segments
 from ..quant.tensor import QuantizedTensor
 from .base import FP8Module, default_init
@@ -80,7 +80,7 @@ class ExpertParams:
                 return [cache[k] for k in keys]  # type: ignore[misc]
         q0, w0 = qs[0].weight, self.weights[0]
         seg = None
-        if self.num_gemms > 1 and q0.casts_segments(w0):
+        if self.num_gemms > 1 and not weight_row_padding(q0, w0.shape[0]) and q0.casts_segments(w0):
             with torch.no_grad():
                 seg = q0.quantize_segments_packed(self._stacked_weights(), [w0.shape[0]] * self.num_gemms,
                                                   peers=[q.weight for q in qs], rowwise=True, columnwise=True)

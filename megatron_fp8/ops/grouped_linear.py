@@ -49,7 +49,6 @@ expert's data and scales. FP8 off: ``x`` and the weights.
 from __future__ import annotations
 
 import operator
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,10 +58,10 @@ import torch.nn.functional as F
 
 from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, one_launch_rows, split_rows
 from ..quant.formats import ScaleLayout
-from ..quant.kernels import aligned_copy
+from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
-from .linear import LinearQuantizers, _accumulate_wgrad, check_float_input, mark_param_derived
+from .linear import LinearQuantizers, _accumulate_wgrad, cast_weight, check_float_input
 
 __all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
 
@@ -313,8 +312,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
         dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
-        if ctx.n_pad:
-            dws = [d[: d.shape[0] - ctx.n_pad] for d in dws]
+        if ctx.n_pad:  # its own storage unless added into main_grad (a slice would keep the padded rows)
+            dws = [d[: d.shape[0] - ctx.n_pad] if args.fuse_wgrad else d[: d.shape[0] - ctx.n_pad].clone() for d in dws]
     return dx, dws
 
 
@@ -338,42 +337,17 @@ def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.dev
     return layout_rows(quantizers[0].input.layout, device)
 
 
-_RowsKey = tuple[tuple[int, ...], int, torch.device]
-_ROWS: OrderedDict[_RowsKey, tuple[torch.Tensor, tuple[int, ...]]] = OrderedDict()  # the last few splits
-_ROWS_KEPT = 8
-_ROWS_CAPTURED: dict[_RowsKey, tuple[torch.Tensor, tuple[int, ...]]] = {}  # read by captured CUDA graphs
-
-
 def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """For each real row (experts back to back), its row once every expert is padded to a multiple
-    of ``align``; and the padded splits. The index tensor (read-only) is kept for the last few
-    splits: building it copies from the host, which CUDA graph capture forbids, so a capture
-    takes the one its warm-up step built, and keeps it for good (the graph reads it at replay)."""
-    key = (tuple(splits), align, torch.device(device))
-    capturing = key[2].type == "cuda" and torch.cuda.is_current_stream_capturing()
-    hit = _ROWS_CAPTURED.get(key) or _ROWS.get(key)
-    if hit is None:
-        if capturing:
-            raise RuntimeError(f"grouped linear: expert splits {list(splits)} padded to {align} rows under CUDA graph "
-                               f"capture without a warm-up step with the same splits; run the step once before "
-                               f"capturing it (megatron_fp8.testing.capture_step does)")
-        hit = _ROWS[key] = _build_rows(*key)
-        if len(_ROWS) > _ROWS_KEPT:
-            _ROWS.popitem(last=False)
-    elif key in _ROWS:
-        _ROWS.move_to_end(key)
-    if capturing:
-        _ROWS_CAPTURED[key] = hit
-    return hit[0], list(hit[1])
-
-
-def _build_rows(splits: tuple[int, ...], align: int, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
-    padded = tuple(-(-m // align) * align for m in splits)
+    of ``align``; and the padded splits. The counts and shifts reach the device through
+    ``kernels.device_ints`` (pinned, no sync, kept for the last few lists, safe under CUDA graph
+    capture); the index is three small launches from them."""
+    padded = [-(-m // align) * align for m in splits]
     shift, real_start, pad_start = [], 0, 0
     for m, p in zip(splits, padded):
         shift.append(pad_start - real_start)
         real_start, pad_start = real_start + m, pad_start + p
-    counts_shifts = torch.tensor([*splits, *shift], device=device)  # one copy from the host
+    counts_shifts = device_ints((*splits, *shift), device)
     counts, shifts = counts_shifts[: len(splits)], counts_shifts[len(splits):]
     rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
     return rows, padded
@@ -456,8 +430,7 @@ def grouped_linear(
                            f"FP32 buffer, as Megatron's DDP allocates); allocate it or turn the fusion off")
     if quantizers is not None and w_fp8 is None:
         with torch.no_grad():
-            w_fp8 = [mark_param_derived(q.weight.quantize(w, rowwise=True, columnwise=True))
-                     for q, w in zip(quantizers, weights)]
+            w_fp8 = [cast_weight(q.weight, w) for q, w in zip(quantizers, weights)]
     wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     if isinstance(w_fp8, Segments) and w_fp8.rows is not None and len(w_fp8.rows.splits) != n:
         raise ValueError(f"{name}: FP8 weights of {len(w_fp8.rows.splits)} experts for {n} experts")

@@ -197,8 +197,8 @@ class _Linear(torch.autograd.Function):
             assert w_fp8 is not None
             ctx.n_pad = w_fp8.shape[0] - weight.shape[0]  # zero rows of a partial 128x128 block (cast_weight)
             y = _forward_fp8(ctx, x, x2d, w_fp8, quantizers)
-            if ctx.n_pad:
-                y = y[:, : weight.shape[0]]
+            if ctx.n_pad:  # a copy: a view would keep the padded columns alive wherever y is saved
+                y = y[:, : weight.shape[0]].contiguous()
         if bias is not None:
             y = y + bias.to(y.dtype)
         if comm is None:
@@ -275,8 +275,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype
     dw = None
     if x_pending is not None:
         dw = gemm(dy_q.operand("columnwise"), x_pending.wait(), wgrad_dtype, name="wgrad")
-        if ctx.n_pad:
-            dw = dw[: dw.shape[0] - ctx.n_pad]
+        if ctx.n_pad:  # its own storage unless added into main_grad (a slice would keep the padded rows)
+            dw = dw[: dw.shape[0] - ctx.n_pad] if ctx.fuse_wgrad else dw[: dw.shape[0] - ctx.n_pad].clone()
     return (dx_pending.wait() if dx_pending is not None else None), dw
 
 

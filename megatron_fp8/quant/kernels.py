@@ -235,14 +235,14 @@ def block_segments_fused(x: torch.Tensor, block: int, pow2: bool, eps: float) ->
     return segments_fused(x, True) and _block_kernel_ok(x, True, block, pow2, eps)
 
 
-_OFFSETS_KEPT = 16  # distinct split lists whose device offsets are kept (a step's layers share them)
-_Offsets = tuple[torch.Tensor, torch.Tensor]  # (the pinned host copy, the device tensor)
-_offsets_cache: dict[tuple[tuple[int, ...], torch.device], _Offsets] = {}
-# Offsets a CUDA graph captured: kept for the life of the process, since a graph may be replayed
+_INTS_KEPT = 16  # distinct int lists whose device copies are kept (a step's layers share them)
+_Ints = tuple[torch.Tensor, torch.Tensor]  # (the pinned host copy, the device tensor)
+_ints_cache: dict[tuple[tuple[int, ...], torch.device], _Ints] = {}
+# Copies a CUDA graph captured: kept for the life of the process, since a graph may be replayed
 # at any time (an evicted tensor would be freed under it). Those a capture created itself are
 # only written when the graph replays, so no one else is handed them.
-_offsets_held: dict[tuple[tuple[int, ...], torch.device], _Offsets] = {}
-_offsets_captured: list[_Offsets] = []
+_ints_held: dict[tuple[tuple[int, ...], torch.device], _Ints] = {}
+_ints_captured: list[_Ints] = []
 
 
 def capturing(device: torch.device) -> bool:
@@ -251,35 +251,39 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Prefix sums ``[0, s0, s0+s1, ...]`` (int64) of ``splits`` on ``device``; read-only, shared.
+def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``; read-only, shared.
 
-    Copied from pinned memory without a sync and kept for the last few split lists: the
-    experts' token counts of one step are cast several times (x in forward, dy in backward,
-    fc1 and fc2), and the weights' splits never change. A fresh pinned buffer per cast would
-    cost a host allocation each time (the GPU still holds the previous ones). Offsets used while
-    a CUDA graph is captured are kept for good, with their pinned source (``_offsets_held``).
-    """
-    key = (tuple(splits), torch.device(device))
-    held = _offsets_held.get(key)
+    Copied from pinned memory without a sync and kept for the last few lists: the experts'
+    token counts of one step are used several times (x in forward, dy in backward, fc1 and fc2),
+    and the weights' splits never change. A fresh pinned buffer per call would cost a host
+    allocation each time (the GPU still holds the previous ones). Copies used while a CUDA graph
+    is captured are kept for good, with their pinned source (``_ints_held``); one made during a
+    capture is a node of the graph."""
+    key = (tuple(values), torch.device(device))
+    held = _ints_held.get(key)
     if held is not None:
         return held[1]
-    entry = _offsets_cache.pop(key, None)
+    entry = _ints_cache.pop(key, None)
     in_capture = capturing(key[1])
     if entry is None:
-        host = torch.tensor([0, *itertools.accumulate(splits)], dtype=torch.int64,
-                            pin_memory=key[1].type == "cuda")
+        host = torch.tensor(key[0], dtype=torch.int64, pin_memory=key[1].type == "cuda")
         entry = (host, host.to(key[1], non_blocking=True))
         if in_capture:  # its copy is a node of the graph: valid only once the graph has replayed
-            _offsets_captured.append(entry)
+            _ints_captured.append(entry)
             return entry[1]
-        while len(_offsets_cache) >= _OFFSETS_KEPT:
-            _offsets_cache.pop(next(iter(_offsets_cache)))
+        while len(_ints_cache) >= _INTS_KEPT:
+            _ints_cache.pop(next(iter(_ints_cache)))
     if in_capture:
-        _offsets_held[key] = entry
+        _ints_held[key] = entry
     else:
-        _offsets_cache[key] = entry  # most recent last
+        _ints_cache[key] = entry  # most recent last
     return entry[1]
+
+
+def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Prefix sums ``[0, s0, s0+s1, ...]`` (int64) of ``splits`` on ``device`` (``device_ints``)."""
+    return device_ints((0, *itertools.accumulate(splits)), device)
 
 
 def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,
