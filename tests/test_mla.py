@@ -39,3 +39,10 @@ def test_mla_up_proj_recompute(report: dict) -> None:
     assert report["counts"]["up_proj"] >= 2 * 20 * report["world"]
     assert report["max_rel"]["up_proj"] <= 1e-5
     assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_deepseek_layout_mla_with_grouped_experts(report: dict) -> None:
+    assert report["counts"]["deepseek"] >= 30 * report["world"]  # TP=1: training, the loss, every gradient
+    assert report["failures"] == 0

@@ -13,6 +13,9 @@ Categories of the JSON report:
   the columnwise FP8 copies of those three inputs per layer.
 * ``up_proj``: ``--recompute-modules mla_up_proj`` (q/k/v of the up-projections discarded):
   loss bitwise, gradients within ``RECOMPUTE_RTOL``.
+* ``deepseek`` (TP=1): MLA with grouped MoE experts and a shared expert (DeepSeek-V3's layout,
+  small; kv_down 192 wide: a partial 128x128 weight block) trains under block scaling; the flags on
+  q/kv_down and the shared expert's fc1 bitwise neutral.
 
 The plug-in is imported: megatron-core's output-discarding recompute runs on ours here.
 """
@@ -43,8 +46,14 @@ RECOMPUTE_RTOL = 1e-5
 RECIPE = Float8BlockScaling()
 
 
-def _config(tp: int, recompute: list[str] | None = None) -> MLATransformerConfig:
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=True,
+           moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=256,
+           moe_router_load_balancing_type="none")
+
+
+def _config(tp: int, recompute: list[str] | None = None, moe: bool = False) -> MLATransformerConfig:
     extra = dict(recompute_granularity="selective", recompute_modules=recompute) if recompute else {}
+    extra.update(MOE if moe else {})
     return MLATransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=512, tensor_model_parallel_size=tp,
         q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64,
@@ -53,13 +62,15 @@ def _config(tp: int, recompute: list[str] | None = None) -> MLATransformerConfig
         gradient_accumulation_fusion=False, persist_layer_norm=False, normalization="RMSNorm", **extra)
 
 
-def _model(tp: int, recompute: list[str] | None = None, flags: bool = False) -> GPTModel:
+def _model(tp: int, recompute: list[str] | None = None, flags: bool = False, moe: bool = False) -> GPTModel:
     torch.manual_seed(0)
-    spec = get_gpt_layer_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
-    model = GPTModel(config=_config(tp, recompute), transformer_layer_spec=spec, vocab_size=VOCAB,
+    spec = get_gpt_layer_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm",
+                              num_experts=MOE["num_moe_experts"] if moe else None, moe_grouped_gemm=moe)
+    model = GPTModel(config=_config(tp, recompute, moe), transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=S, position_embedding_type="rope")
     if flags:  # the down-projections; with layernorm recompute, the pre-MLP norm's consumer too
         rules = ["*.linear_q_down_proj", "*.linear_kv_down_proj"] + (["*.mlp.linear_fc1"] if recompute else [])
+        rules += ["*.shared_experts.linear_fc1"] if moe else []  # reads what the router reads
         apply_layer_flags(model, FP8Config(layers=[LayerRule(match=r, save_original_input=True) for r in rules]))
     return model
 
@@ -113,6 +124,26 @@ def check_flags_and_bytes(ck: Checker, tp: int) -> None:
                                             f"({copies} in FP8 copies a layer, the norms' own {own.table()})")
 
 
+def check_deepseek_shape(ck: Checker, tp: int) -> None:
+    """DeepSeek-V3's layout in small: MLA (RoPE dim 64: kv_down's out features end in a partial
+    128x128 block) with grouped MoE experts and a shared expert under block scaling: trains, and
+    the flags on q/kv_down and the shared expert's fc1 are bitwise neutral."""
+    model = _model(tp, moe=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss, _, _ = _step(model)
+        opt.step()
+        losses.append(loss.item())
+    ck.true("deepseek", all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0],
+            f"TP={tp}: losses {losses}")
+    loss0, grads0, _ = _step(_model(tp, moe=True))
+    loss1, grads1, _ = _step(_model(tp, flags=True, moe=True))
+    ck.bitwise("deepseek", f"TP={tp} loss", loss1, loss0)
+    for n, g in grads0.items():
+        ck.bitwise("deepseek", f"TP={tp} grad {n}", grads1.get(n), g)
+
+
 def check_up_proj_recompute(ck: Checker, tp: int) -> None:
     global RECIPE
     RECIPE = Float8CurrentScaling()
@@ -137,6 +168,8 @@ def main() -> int:
         ck.guard("build", f"MLA GPT at TP={tp}", check_build, ck, tp)
         ck.guard("flags", f"MLA flags at TP={tp}", check_flags_and_bytes, ck, tp)
         ck.guard("up_proj", f"mla_up_proj recompute at TP={tp}", check_up_proj_recompute, ck, tp)
+        if tp == 1:  # megatron-core wants sequence parallelism for MoE with TP, and its torch norms refuse it
+            ck.guard("deepseek", "MLA + MoE at TP=1", check_deepseek_shape, ck, tp)
         parallel_state.destroy_model_parallel()
     code = ck.report()
     shutdown()
