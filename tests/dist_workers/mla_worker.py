@@ -97,22 +97,33 @@ def check_build(ck: Checker, tp: int) -> None:
     ck.true("build", all(type(getattr(attn, n)) is ColumnParallelLinear for n in cols)
             and type(attn.linear_proj) is RowParallelLinear and isinstance(attn.core_attention, SDPAttention),
             f"TP={tp}: MLA holds {[type(getattr(attn, n)).__name__ for n in cols]}")
+    _check_trains(ck, "build", model, tp)
+
+
+def _check_trains(ck: Checker, category: str, model: GPTModel, tp: int) -> None:
+    """Two SGD steps: finite losses, the second lower."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(2):
         loss, _, _ = _step(model)
         opt.step()
         losses.append(loss.item())
-    ck.true("build", all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0],
+    ck.true(category, all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0],
             f"TP={tp}: losses {losses}")
 
 
-def check_flags_and_bytes(ck: Checker, tp: int) -> None:
-    loss0, grads0, live0 = _step(_model(tp))
-    loss1, grads1, _ = _step(_model(tp, flags=True))
-    ck.bitwise("flags", f"TP={tp} loss", loss1, loss0)
+def _check_flags_neutral(ck: Checker, category: str, tp: int, moe: bool = False) -> tuple[int, int]:
+    """The loss and every gradient bitwise equal with the flags on and off; the live bytes of each."""
+    loss0, grads0, live0 = _step(_model(tp, moe=moe))
+    loss1, grads1, live1 = _step(_model(tp, flags=True, moe=moe))
+    ck.bitwise(category, f"TP={tp} loss", loss1, loss0)
     for n, g in grads0.items():
-        ck.bitwise("flags", f"TP={tp} grad {n}", grads1.get(n), g)
+        ck.bitwise(category, f"TP={tp} grad {n}", grads1.get(n), g)
+    return live0, live1
+
+
+def check_flags_and_bytes(ck: Checker, tp: int) -> None:
+    live0, _ = _check_flags_neutral(ck, "flags", tp)
     recomputed = _model(tp, recompute=["layernorm"], flags=True)
     _, _, live2 = _step(recomputed)
     norm = recomputed.decoder.layers[0].input_layernorm  # what a norm saves for its own backward, which a
@@ -128,20 +139,8 @@ def check_deepseek_shape(ck: Checker, tp: int) -> None:
     """DeepSeek-V3's layout in small: MLA (RoPE dim 64: kv_down's out features end in a partial
     128x128 block) with grouped MoE experts and a shared expert under block scaling: trains, and
     the flags on q/kv_down and the shared expert's fc1 are bitwise neutral."""
-    model = _model(tp, moe=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for _ in range(2):
-        loss, _, _ = _step(model)
-        opt.step()
-        losses.append(loss.item())
-    ck.true("deepseek", all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0],
-            f"TP={tp}: losses {losses}")
-    loss0, grads0, _ = _step(_model(tp, moe=True))
-    loss1, grads1, _ = _step(_model(tp, flags=True, moe=True))
-    ck.bitwise("deepseek", f"TP={tp} loss", loss1, loss0)
-    for n, g in grads0.items():
-        ck.bitwise("deepseek", f"TP={tp} grad {n}", grads1.get(n), g)
+    _check_trains(ck, "deepseek", _model(tp, moe=True), tp)
+    _check_flags_neutral(ck, "deepseek", tp, moe=True)
 
 
 def check_up_proj_recompute(ck: Checker, tp: int) -> None:
