@@ -352,7 +352,8 @@ def example_gpt(kind: str, core_attention: str, shape: GPTShape = GPTShape(), de
 
         # DeepSeek's RoPE dim, 64: kv_down's output (kv_lora_rank + 64) ends in a partial 128x128 block
         cfg = MLATransformerConfig(**common, q_lora_rank=h, kv_lora_rank=h // 2, qk_head_dim=h // shape.heads,
-                                   qk_pos_emb_head_dim=64, v_head_dim=h // shape.heads, rope_type="rope")
+                                   qk_pos_emb_head_dim=64, v_head_dim=h // shape.heads, rope_type="rope",
+                                   qk_layernorm=True)  # as the spec (megatron-core 0.20 checks they agree)
     else:
         cfg = TransformerConfig(**common, num_query_groups=max(1, shape.heads // 2), **(experts if moe else {}))
     cpu_accommodations()

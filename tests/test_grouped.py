@@ -253,7 +253,7 @@ def test_fp8_off_equals_separate_linears() -> None:
 def test_columnwise_multiple_per_recipe() -> None:
     layer = GroupedLinear(2, K, N, bias=False)
     for name, want in MULTIPLE.items():
-        with mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+        with mf.fp8_autocast(fp8_recipe=GROUPED_RECIPES[name]):
             qs, _ = layer.fp8_operands(None)
         assert columnwise_multiple(qs[0].input.layout) == want
 

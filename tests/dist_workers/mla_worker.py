@@ -57,7 +57,8 @@ def _config(tp: int, recompute: list[str] | None = None, moe: bool = False) -> M
     return MLATransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=512, tensor_model_parallel_size=tp,
         q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64,
-        rope_type="rope", use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        rope_type="rope", qk_layernorm=True, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0,
         attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, normalization="RMSNorm", **extra)
 
