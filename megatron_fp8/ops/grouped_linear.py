@@ -429,8 +429,7 @@ def grouped_linear(
         raise RuntimeError(f"{name}: fuse_wgrad_accumulation=True needs main_grad on every expert weight (an "
                            f"FP32 buffer, as Megatron's DDP allocates); allocate it or turn the fusion off")
     if quantizers is not None and w_fp8 is None:
-        with torch.no_grad():
-            w_fp8 = [cast_weight(q.weight, w) for q, w in zip(quantizers, weights)]
+        w_fp8 = [cast_weight(q.weight, w) for q, w in zip(quantizers, weights)]
     wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     if isinstance(w_fp8, Segments) and w_fp8.rows is not None and len(w_fp8.rows.splits) != n:
         raise ValueError(f"{name}: FP8 weights of {len(w_fp8.rows.splits)} experts for {n} experts")
