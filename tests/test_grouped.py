@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 import megatron_fp8 as mf
 from megatron_fp8.modules.grouped import GroupedLinear
-from megatron_fp8.ops.grouped_linear import columnwise_multiple
 from megatron_fp8.quant import kernels
 from megatron_fp8.recipe import DelayedScaling, Float8BlockScaling, Format
 
@@ -250,12 +249,12 @@ def test_fp8_off_equals_separate_linears() -> None:
         assert torch.equal(x.grad.split(splits)[i], xr.grad)
 
 
-def test_columnwise_multiple_per_recipe() -> None:
+def test_token_multiple_of_the_input_layout_per_recipe() -> None:
     layer = GroupedLinear(2, K, N, bias=False)
     for name, want in MULTIPLE.items():
         with mf.fp8_autocast(fp8_recipe=GROUPED_RECIPES[name]):
             qs, _ = layer.fp8_operands(None)
-        assert columnwise_multiple(qs[0].input.layout) == want
+        assert qs[0].input.layout.token_multiple == want
 
 
 # ---- saved bytes: exact counts from shapes ----------------------------------------------------

@@ -61,9 +61,9 @@ from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
-from .linear import LinearQuantizers, _accumulate_wgrad, cast_weight, check_float_input
+from .linear import LinearQuantizers, _accumulate_wgrad, cast_weight, check_float_input, unpad_wgrad
 
-__all__ = ["GroupedArgs", "grouped_linear", "columnwise_multiple"]
+__all__ = ["GroupedArgs", "grouped_linear"]
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,6 @@ def rows_independent(layout: ScaleLayout) -> bool:
     """True when no scale spans two rows, so a cast of all experts at once equals the
     per-expert casts (1x128, 1x32, per-row)."""
     return layout.block[0] == 1
-
-
-def columnwise_multiple(layout: ScaleLayout) -> int:
-    """Token count a columnwise copy in ``layout`` needs: the block length along tokens."""
-    return layout.block[1] if rows_independent(layout) and layout.block[1] else 1
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -132,7 +127,7 @@ def _cast_split(
         whole = quantizers[0].quantize(t, rowwise=True, columnwise=False)  # stateless quantizers
         rows = list(split_rows(whole.operand("rowwise"), m_splits))
         rowwise = False
-    multiple = columnwise_multiple(layout)
+    multiple = layout.token_multiple
     for i, part in enumerate(parts):
         if not (rowwise or columnwise):
             break
@@ -312,8 +307,7 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
         dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
-        if ctx.n_pad:  # its own storage unless added into main_grad (a slice would keep the padded rows)
-            dws = [d[: d.shape[0] - ctx.n_pad] if args.fuse_wgrad else d[: d.shape[0] - ctx.n_pad].clone() for d in dws]
+        dws = [unpad_wgrad(d, ctx.n_pad, args.fuse_wgrad) for d in dws]
     return dx, dws
 
 

@@ -64,12 +64,8 @@ def _token_padding(x: torch.Tensor, quantizers: LinearQuantizers | None, comm: L
     interleave padding): there the shape check below names the rule."""
     if quantizers is None or (comm is not None and getattr(comm, "sequence_parallel", True)):
         return 0
-    block = _TOKEN_BLOCKS.get(quantizers.input.layout, 0)
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (-tokens) % block if block and tokens else 0
-
-
-_TOKEN_BLOCKS = {ScaleLayout.BLOCK_1x128: 128, ScaleLayout.MX_1x32: 32}
+    return (-tokens) % quantizers.input.layout.token_multiple
 
 
 def weight_row_padding(quantizer: Quantizer, rows: int) -> int:
@@ -89,6 +85,16 @@ def cast_weight(quantizer: Quantizer, weight: torch.Tensor) -> QuantizedTensor:
     with torch.no_grad():
         w = F.pad(weight, (0, 0, 0, pad)) if pad else weight
         return mark_param_derived(quantizer.quantize(w, rowwise=True, columnwise=True))
+
+
+def unpad_wgrad(dw: torch.Tensor, n_pad: int, fused: bool) -> torch.Tensor:
+    """The weight gradient without the rows of ``cast_weight``'s zero padding: its own storage (a
+    slice would keep the padded rows alive in ``.grad``), or a view where it is only added into
+    ``main_grad`` (``fused``)."""
+    if not n_pad:
+        return dw
+    real = dw[: dw.shape[0] - n_pad]
+    return real if fused else real.clone()
 
 
 def check_float_input(x: torch.Tensor, weight: torch.Tensor, owner: str) -> None:
@@ -275,8 +281,7 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype
     dw = None
     if x_pending is not None:
         dw = gemm(dy_q.operand("columnwise"), x_pending.wait(), wgrad_dtype, name="wgrad")
-        if ctx.n_pad:  # its own storage unless added into main_grad (a slice would keep the padded rows)
-            dw = dw[: dw.shape[0] - ctx.n_pad] if ctx.fuse_wgrad else dw[: dw.shape[0] - ctx.n_pad].clone()
+        dw = unpad_wgrad(dw, ctx.n_pad, ctx.fuse_wgrad)
     return (dx_pending.wait() if dx_pending is not None else None), dw
 
 

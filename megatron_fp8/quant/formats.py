@@ -69,5 +69,12 @@ class ScaleLayout(enum.Enum):
             ScaleLayout.MX_1x32: (1, 32),
         }[self]
 
+    @property
+    def token_multiple(self) -> int:
+        """Rows a columnwise copy in this layout needs to be a multiple of (its blocks run along
+        the tokens: 128 for 1x128, 32 for MXFP8; 1 where no scale spans part of a column)."""
+        rows, cols = self.block
+        return cols if rows == 1 and cols else 1
+
 
 E8M0_BIAS = 127
