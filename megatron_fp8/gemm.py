@@ -13,8 +13,10 @@ wgrad       ``dw = dy.T @ x``      dy columnwise ``[N, M]``         x columnwise
 so ``gemm(a, b) = a @ b.T`` with both operands' last dim contracted. The backend is chosen per
 call: ``native`` (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``) where the device runs
 that pair of scale layouts, else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
-``force_backend`` pins one; ``record_gemms`` lists what ran. The experts' grouped GEMMs, built on
-``gemm``, are in ``gemm_grouped``.
+Block-scaled GEMMs with an E5M2 operand (HYBRID gradients), which torch refuses, run natively on
+cuBLASLt called directly (``kernels.cublaslt``) or on our Triton GEMM, recorded as
+``name[cublaslt]`` / ``name[triton]``. ``force_backend`` pins one; ``record_gemms`` lists what
+ran. The experts' grouped GEMMs, built on ``gemm``, are in ``gemm_grouped``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import cublaslt
 from .quant.formats import ScaleLayout
 from .quant.tensor import Operand
 
@@ -251,6 +254,10 @@ def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Ten
             [_block_scale_layout(b)], [kinds[b.layout].value], none, None, dtype, out=into,
         )
 
+    if cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):  # opt-in: MEGATRON_FP8_BLOCK_GEMM
+        y = out if out is not None else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
+        if cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
+            return y
     dtype = _BLOCK_OUT_DTYPES.get(out_dtype)
     if dtype is None:
         try:
@@ -297,22 +304,25 @@ def gemm(
         raise ValueError(f"{name}: out must be a contiguous [{m}, {n}] {out_dtype} tensor, got "
                          f"{tuple(out.shape)} {out.dtype} (contiguous: {out.is_contiguous()})")
     backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
-    e5m2_blocks = backend is Backend.NATIVE and a.data.is_cuda and _e5m2_blocks(a, b)
-    if e5m2_blocks and not _triton_serves(a, b):
+    empty = m == 0 or n == 0 or k == 0
+    if backend is Backend.NATIVE and a.data.is_cuda and _e5m2_blocks(a, b) and not empty:
+        done = _hybrid_blocks(a, b, out_dtype, fast_accum, out, name)
+        if done is not None:
+            via, y = done
+            record(f"{name}[{via}]", backend, (a.layout, b.layout), (m, n, k))
+            return y
         backend = Backend.EMULATE
         notice_emulation(name, (a.layout, b.layout), (m, n, k), "E5M2 operands with block scales: torch's "
-                         "scaled_mm refuses them, and our Triton GEMM needs every dim a multiple of 128")
+                         "scaled_mm refuses them, and cuBLASLt and our Triton GEMM need every dim a multiple "
+                         "of 128")
     elif backend is Backend.EMULATE and a.data.is_cuda and forced_backend() is None:
         notice_emulation(name, (a.layout, b.layout), (m, n, k), _emulation_reason(a, b))
-    record(f"{name}[triton]" if e5m2_blocks and backend is Backend.NATIVE else name, backend,
-           (a.layout, b.layout), (m, n, k))
-    if m == 0 or n == 0 or k == 0:
+    record(name, backend, (a.layout, b.layout), (m, n, k))
+    if empty:
         if out is not None:
             return out.zero_()
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
     if backend is Backend.NATIVE:
-        if e5m2_blocks:
-            return _into(out, _triton_blocks(a, b, out_dtype, fast_accum))
         return _native(a, b, out_dtype, fast_accum, out)
     return _into(out, emulate(a, b, out_dtype))
 
@@ -320,6 +330,26 @@ def gemm(
 # ---- HYBRID block scaling: E5M2 gradients with 1x128 / 128x128 scales ----
 def _e5m2_blocks(a: Operand, b: Operand) -> bool:
     return a.layout in (L.BLOCK_1x128, L.BLOCK_128x128) and torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
+
+
+def _hybrid_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool, out: torch.Tensor | None,
+                   name: str) -> tuple[str, torch.Tensor] | None:
+    """A HYBRID block GEMM on cuBLASLt called directly (``kernels.cublaslt``: torch's ``scaled_mm``
+    refuses the E5M2 operand, cuBLASLt does not) or else on our Triton GEMM: (the path, the
+    output); None where neither serves the shape (the caller emulates). ``MEGATRON_FP8_HYBRID_GEMM``
+    picks (``auto``, ``cublaslt``, ``triton``)."""
+    if cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+        aligned = out is not None and out.data_ptr() % cublaslt.ALIGN == 0
+        y = out if aligned else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
+        if cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
+            return "cublaslt", y if aligned else _into(out, y)
+    if cublaslt.choice() == "cublaslt":
+        raise RuntimeError(f"{name} {tuple(a.shape)} x {tuple(b.shape)} ({a.layout.value} {a.data.dtype} x "
+                           f"{b.layout.value} {b.data.dtype} -> {out_dtype}): cuBLASLt has no kernel for it here "
+                           f"(MEGATRON_FP8_HYBRID_GEMM=cublaslt forbids the Triton fallback; 'auto' allows it)")
+    if _triton_serves(a, b):
+        return "triton", _into(out, _triton_blocks(a, b, out_dtype, fast_accum))
+    return None
 
 
 def _triton_serves(a: Operand, b: Operand) -> bool:

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchlib import environment, host_and_device_ms, markdown_table
+from benchlib import environment, host_and_device_ms, markdown_table, write_outputs
 
 import megatron_fp8 as mf
 from megatron_fp8.modules.grouped import GroupedLinear
-from megatron_fp8.recipe import PRESETS
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Format
 from megatron_fp8.testing import router_splits
 
 CUDA = torch.cuda.is_available()
@@ -104,6 +104,8 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     add("our Linear, FP8 off", _fwd_bwd(ours, x, dy, None))
     for name in ("current", "blockwise", "delayed"):
         add(f"our Linear, {name}", _fwd_bwd(ours, x, dy, PRESETS[name]))
+    # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
+    add("our Linear, blockwise HYBRID", _fwd_bwd(ours, x, dy, Float8BlockScaling(fp8_format=Format.HYBRID)))
     xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
     dye = torch.randn(t * e, n, device=DEVICE, dtype=dt, generator=g)
     even = [t] * e
@@ -141,6 +143,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--calls", type=int, default=20, help="steps timed back to back")
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
+    p.add_argument("--out", default=None, help="also write the table to DIR/profile_host.md (scripts/probes/ab_env.py)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's rows, for the parent
     args = p.parse_args()
     for v, name in ((args.tokens, "--tokens"), (args.k, "--k")):
@@ -158,9 +161,12 @@ def main() -> None:
                 for _ in range(args.processes)]
     else:
         runs = [measure(args)]
-    print(f"# Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
-          f"{args.tokens} tokens), median of {len(runs)} process(es)\n\n{environment()}\n")
-    print(_table(runs))
+    title = (f"Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
+             f"{args.tokens} tokens), median of {len(runs)} process(es)")
+    table = _table(runs)
+    print(f"# {title}\n\n{environment()}\n\n{table}")
+    if args.out:
+        write_outputs("profile_host", title, table, args.out)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,23 @@ def test_env_backend_is_validated(monkeypatch) -> None:
         core.select_backend(ScaleLayout.TENSOR, ScaleLayout.TENSOR, torch.device("cpu"))
 
 
+def test_hybrid_gemm_choice_is_validated_and_cpu_never_served(monkeypatch) -> None:
+    """``MEGATRON_FP8_HYBRID_GEMM`` names its values when wrong; CPU tensors never go to cuBLASLt
+    (HYBRID block GEMMs are emulated there, the reference the GPU paths are tested against)."""
+    from megatron_fp8.kernels import cublaslt
+    from megatron_fp8.recipe import Float8BlockScaling, Format
+
+    a, b, _ = _operands(Float8BlockScaling(fp8_format=Format.HYBRID), "dgrad")
+    assert a.data.dtype == torch.float8_e5m2
+    assert not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.bfloat16)
+    with core.record_gemms() as calls:
+        core.gemm(a, b, torch.bfloat16, name="dgrad")
+    assert [(c.name, c.backend) for c in calls] == [("dgrad", core.Backend.EMULATE)]
+    monkeypatch.setenv("MEGATRON_FP8_HYBRID_GEMM", "cublas")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_HYBRID_GEMM='cublas'.*'auto'.*'cublaslt'.*'triton'"):
+        cublaslt.choice()
+
+
 @pytest.mark.parametrize("splits", [[128, 0, 256, 128], [0, 0, 512, 0]], ids=["some-empty", "one-expert"])
 def test_grouped_gemm_equals_per_expert_gemms(recipe, splits: list[int]) -> None:
     """Rowwise operands split by tokens (fprop shape), per-expert weights; zero-token experts."""

@@ -19,12 +19,14 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-def test_table_from_two_processes() -> None:
-    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--processes", "2")
+def test_table_from_two_processes(tmp_path: Path) -> None:
+    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--processes", "2",
+               "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "median of 2 process(es)" in out.stdout
+    assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 5  # the table, for ab_env.py
     for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
-                  "our Linear, delayed", "our GroupedLinear, FP8 off, even splits",
+                  "our Linear, blockwise HYBRID", "our Linear, delayed", "our GroupedLinear, FP8 off, even splits",
                   "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
                   "our GroupedLinear, current, router splits"):
         row = re.search(rf"^\| {re.escape(label)} \| (\d+) \|", out.stdout, re.M)

@@ -11,6 +11,7 @@ module                    kernels
 ``cuda_cast``             the CUDA C tile cast (``cuda_cast.cu``, built by NVRTC at first use)
 ``triton_grouped``        the experts' grouped FP8 GEMMs, and HYBRID block GEMMs with one group
 ``triton_launch``         launching Triton kernels without Triton's per-call host cost
+``cublaslt``              cuBLASLt called directly for the block GEMMs with an E5M2 operand
 ========================  =====================================================================
 
 The quantizers reach the casts through ``quant.kernels`` (which picks a kernel or the

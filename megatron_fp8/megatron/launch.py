@@ -28,8 +28,8 @@ def _count_gemms() -> None:
     calls = recording.__enter__()  # open for the whole process (the reference keeps it open)
 
     def report() -> None:
-        kinds = collections.Counter(
-            "triton" if "[triton]" in c.name else c.backend.value for c in calls)
+        kinds = collections.Counter(  # "dgrad[cublaslt]" -> cublaslt; else native (torch) or emulate
+            c.name.partition("[")[2].rstrip("]") or c.backend.value for c in calls)
         rank = os.environ.get("RANK", "0")
         parts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"
         print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)

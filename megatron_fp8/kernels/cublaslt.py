@@ -1,0 +1,227 @@
+"""Block-scaled FP8 GEMMs with an E5M2 operand (HYBRID block scaling: E5M2 gradients), called on
+cuBLASLt itself through ctypes (and, opt-in, the E4M3 ones: ``block_choice``).
+
+Why: torch's ``scaled_mm`` refuses E5M2 operands with 1x128 / 128x128 scales on SM90 ("Invalid
+scaling configuration"), but cuBLASLt's block-scaled kernels take one E5M2 operand (E4M3 x E5M2
+and E5M2 x E4M3; Transformer Engine's exact block-GEMM tests run both on Hopper). Without this
+module those GEMMs (every dgrad and wgrad under ``Float8BlockScaling(fp8_format=HYBRID)``, which
+Megatron's ``--fp8-format hybrid`` gives) run on our Triton GEMM (``triton_grouped``, one
+group): in Megatron-LM's loop on an H200 at ~620-720 TFLOP/s, against ~1000 for cuBLAS's E4M3
+block GEMMs (docs/benchmarks.md, run AC).
+
+The call is cuBLASLt's column-major view of ``out[m, n] = a @ b.T`` (``a [m, k]``, ``b [n, k]``,
+both K-major): ``D[n, m] = op(A) @ B`` with A = b's bytes seen as ``[k, n]`` and transposed,
+B = a's as ``[k, m]``, A's scales b's and B's a's, laid out as torch hands them to cuBLASLt
+(``gemm._block_scale_layout``): the arrangement ``scripts/probes/probe_cublaslt_algos.py``
+verified bit for bit against torch's E4M3 block GEMMs on the H200 (run Y). Each problem (shape,
+dtypes, scale layouts, device) builds its descriptors and takes the heuristic's first answer
+once; a call sets the two scale pointers and launches. No workspace is offered (nothing to keep
+alive across a CUDA graph), and the default 256-byte pointer alignment is assumed, so a call
+whose pointers are not 256-byte aligned is declined, as is a problem cuBLASLt has no kernel for:
+``matmul`` then returns False and ``gemm`` runs the Triton GEMM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..quant.formats import ScaleLayout
+
+L = ScaleLayout
+
+# cublasLt.h / library_types.h values (those probe_cublaslt_algos.py ran on the H200)
+COMPUTE_32F, R_32F = 68, 0
+DTYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29, torch.bfloat16: 14, torch.float16: 2, torch.float32: 0}
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
+SCALE_MODES = {L.BLOCK_1x128: 4, L.BLOCK_128x128: 5}  # VEC128_32F, BLK128x128_32F
+PREF_MAX_WORKSPACE_BYTES = 1
+ALIGN = 256  # bytes: cuBLASLt's default minimum alignment of A, B, C and D (no preference lowers it)
+_ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
+_CHOICES = ("auto", "cublaslt", "triton")
+
+
+class Algo(ctypes.Structure):
+    """``cublasLtMatmulAlgo_t``: 64 opaque bytes."""
+
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class Heuristic(ctypes.Structure):
+    """``cublasLtMatmulHeuristicResult_t``."""
+
+    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def choice() -> str:
+    """``MEGATRON_FP8_HYBRID_GEMM``: ``auto`` (the default; cuBLASLt where it has a kernel, else
+    our Triton GEMM), ``cublaslt`` (an error where cuBLASLt declines: for benchmarks that must
+    not fall back) or ``triton``. Anything else raises."""
+    v = os.environ.get("MEGATRON_FP8_HYBRID_GEMM", "auto").strip().lower()
+    if v not in _CHOICES:
+        raise ValueError(f"MEGATRON_FP8_HYBRID_GEMM={v!r}; allowed: 'auto' (cuBLASLt where it has a kernel, else "
+                         "Triton), 'cublaslt' (cuBLASLt or an error) or 'triton'")
+    return v
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The ``libcublasLt`` this process loaded with torch's CUDA libraries (found in its memory
+    map), or None (no CUDA, not Linux, or not loaded)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.current_blas_handle()  # torch's cuBLAS is up, and with it cuBLASLt
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcublasLt.so" in line})
+    except OSError:
+        return None
+    return ctypes.CDLL(paths[0]) if paths else None
+
+
+def _ok(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"megatron_fp8 cuBLASLt: {what} failed with cuBLAS status {status} "
+                           f"(MEGATRON_FP8_HYBRID_GEMM=triton runs these GEMMs on our Triton kernel instead)")
+
+
+@functools.cache
+def _handle(device: int) -> ctypes.c_void_p:
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        _ok(library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle
+
+
+@dataclass
+class _Plan:
+    """One problem's descriptors and the kernel the heuristic picked for it."""
+
+    handle: ctypes.c_void_p
+    desc: ctypes.c_void_p
+    a: ctypes.c_void_p  # cuBLASLt's A: our b ``[n, k]`` seen as ``[k, n]``, transposed
+    b: ctypes.c_void_p  # cuBLASLt's B: our a ``[m, k]`` seen as ``[k, m]``
+    d: ctypes.c_void_p  # our out ``[m, n]`` row-major seen as ``[n, m]`` (also C)
+    algo: Algo
+    lock: threading.Lock  # the descriptor holds one call's scale pointers until it is launched
+
+
+_plans: dict[tuple, _Plan | None] = {}
+
+
+def _set(lib: ctypes.CDLL, desc: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData) -> None:
+    _ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+        f"matmul descriptor attribute {attr}")
+
+
+def _layout(lib: ctypes.CDLL, dtype: int, rows: int, cols: int) -> ctypes.c_void_p:
+    lay = ctypes.c_void_p()
+    _ok(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, ctypes.c_uint64(rows), ctypes.c_uint64(cols),
+                                       ctypes.c_int64(rows)), "matrix layout")
+    return lay
+
+
+def _plan(key: tuple) -> _Plan | None:
+    """Descriptors and the heuristic's first kernel for ``key`` (see ``matmul``); None where
+    cuBLASLt has none."""
+    device, m, n, k, a_dtype, b_dtype, out_dtype, a_layout, b_layout = key
+    lib = library()
+    desc = ctypes.c_void_p()
+    _ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F), "matmul descriptor")
+    _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
+    _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+    _set(lib, desc, DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_MODES[b_layout]))
+    _set(lib, desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_MODES[a_layout]))
+    lay_a, lay_b, lay_d = (_layout(lib, DTYPES[b_dtype], k, n), _layout(lib, DTYPES[a_dtype], k, m),
+                           _layout(lib, DTYPES[out_dtype], n, m))
+    pref = ctypes.c_void_p()
+    _ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "matmul preference")
+    found, got = Heuristic(), ctypes.c_int(0)
+    try:
+        _ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ctypes.c_uint64(0)),
+                                                     8), "workspace preference")
+        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, lay_a, lay_b, lay_d, lay_d, pref, 1,
+                                                    ctypes.byref(found), ctypes.byref(got))
+    finally:
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+    if status != 0 or got.value < 1 or found.state != 0:
+        for lay in (lay_a, lay_b, lay_d):
+            lib.cublasLtMatrixLayoutDestroy(lay)
+        lib.cublasLtMatmulDescDestroy(desc)
+        return None
+    return _Plan(_handle(device), desc, lay_a, lay_b, lay_d, found.algo, threading.Lock())
+
+
+def block_choice() -> str:
+    """``MEGATRON_FP8_BLOCK_GEMM``: who runs the block GEMMs with two E4M3 operands, ``torch`` (the
+    default: its ``scaled_mm``) or ``cublaslt`` (``matmul`` here: the kernel torch gets with
+    ``CUBLASLT_WORKSPACE_SIZE=0``, without torch rebuilding descriptors and asking the heuristic
+    on every call, which cost ~60 us of host time per block GEMM on the H200 against ~11-20 for a
+    bare cuBLASLt loop, docs/benchmarks-history.md run Y; opt-in until an eager step is timed)."""
+    v = os.environ.get("MEGATRON_FP8_BLOCK_GEMM", "torch").strip().lower()
+    if v not in ("torch", "cublaslt"):
+        raise ValueError(f"MEGATRON_FP8_BLOCK_GEMM={v!r}; allowed: 'torch' (torch's scaled_mm) or 'cublaslt' "
+                         "(cuBLASLt called directly)")
+    return v
+
+
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: ScaleLayout,
+           out_dtype: torch.dtype) -> bool:
+    """Whether ``matmul`` may take this block GEMM (it can still find no kernel): on CUDA, every
+    dim a multiple of 128, one E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two
+    E4M3 ones under ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
+    if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in DTYPES):
+        return False
+    (m, k), (n, _) = a.shape, b.shape
+    if (a_layout, b_layout) == (L.BLOCK_128x128, L.BLOCK_128x128) or m % 128 or n % 128 or k % 128:
+        return False
+    dtypes = (a.dtype, b.dtype)
+    if dtypes in ((_E5M2, _E4M3), (_E4M3, _E5M2)):
+        wanted = choice() != "triton"
+    else:
+        wanted = dtypes == (_E4M3, _E4M3) and block_choice() == "cublaslt"
+    return wanted and library() is not None
+
+
+def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_scale: torch.Tensor,
+           b_layout: ScaleLayout, out: torch.Tensor) -> bool:
+    """``out = a @ b.T`` (``a [m, k]``, ``b [n, k]``, FP8 and K-major; ``out`` a contiguous
+    ``[m, n]``), the scales laid out as torch hands them to cuBLASLt (``gemm._block_scale_layout``).
+    False, with nothing launched, where cuBLASLt has no kernel for the problem or a pointer is
+    not 256-byte aligned. Only for what ``serves`` accepts."""
+    if any(t.data_ptr() % ALIGN for t in (a, b, out)) or not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    (m, k), (n, _) = a.shape, b.shape
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    key = (device, m, n, k, a.dtype, b.dtype, out.dtype, a_layout, b_layout)
+    plan = _plans.get(key, False)
+    if plan is False:
+        with torch.cuda.device(device):
+            plan = _plans[key] = _plan(key)
+    if plan is None:
+        return False
+    if torch.cuda.current_device() != device:  # the handle and the launch belong to a's device
+        with torch.cuda.device(device):
+            return matmul(a, a_scale, a_layout, b, b_scale, b_layout, out)
+    lib = library()
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    with plan.lock:
+        _set(lib, plan.desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
+        _set(lib, plan.desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
+        _ok(lib.cublasLtMatmul(plan.handle, plan.desc, ctypes.byref(_ONE), ctypes.c_void_p(b.data_ptr()), plan.a,
+                               ctypes.c_void_p(a.data_ptr()), plan.b, ctypes.byref(_ZERO),
+                               ctypes.c_void_p(out.data_ptr()), plan.d, ctypes.c_void_p(out.data_ptr()), plan.d,
+                               ctypes.byref(plan.algo), None, ctypes.c_size_t(0), ctypes.c_void_p(stream)),
+            "cublasLtMatmul")
+    return True

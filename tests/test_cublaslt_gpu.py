@@ -1,0 +1,201 @@
+"""cuBLASLt called directly for HYBRID block GEMMs (E5M2 gradients with 1x128 / 128x128 scales,
+which torch's ``scaled_mm`` refuses): skip without CUDA; run on the device machine.
+
+The plumbing (operand order, scale modes and pointers, layouts) is checked where a yardstick is
+bitwise: with two E4M3 operands our call must give torch's block GEMM bit for bit (the same
+cuBLASLt kernel, torch's first heuristic answer). E5M2 operands then change only the data type;
+their results are checked against emulation (dequantize, FP32 matmul) and our Triton GEMM within
+accumulation order, and a HYBRID ``Linear`` is checked end to end: every GEMM native, flag on ==
+off bitwise, a CUDA graph replay equal to an eager step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megatron_fp8 as mf
+from megatron_fp8 import gemm as core
+from megatron_fp8.kernels import cublaslt
+from megatron_fp8.quant import make_quantizer
+from megatron_fp8.quant.formats import ScaleLayout
+from megatron_fp8.recipe import Float8BlockScaling, Format, TensorRole
+from megatron_fp8.testing import capture_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+L = ScaleLayout
+HYBRID = Float8BlockScaling(fp8_format=Format.HYBRID)
+M, N, K = 1024, 768, 2048
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _operands(recipe: Float8BlockScaling, gemm_name: str) -> tuple[core.Operand, core.Operand]:
+    """The two operands of one of a linear's GEMMs as the linear casts them (dy in E5M2 under HYBRID)."""
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) * 1e-3
+    qx, qw, qg = (make_quantizer(recipe, r) for r in TensorRole)
+    if gemm_name == "fprop":
+        return qx.quantize(x).rowwise, qw.quantize(w).rowwise
+    if gemm_name == "dgrad":
+        return qg.quantize(dy).rowwise, qw.quantize(w, rowwise=False, columnwise=True).columnwise
+    return (qg.quantize(dy, rowwise=False, columnwise=True).columnwise,
+            qx.quantize(x, rowwise=False, columnwise=True).columnwise)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _direct_vs_torch(gemm_name: str) -> tuple[bool, float]:
+    """E4M3 block operands (what torch takes) through our direct call and torch's ``scaled_mm``:
+    (bitwise equal, relative difference)."""
+    a, b = _operands(Float8BlockScaling(), gemm_name)
+    kinds = {L.BLOCK_1x128: F.ScalingType.BlockWise1x128, L.BLOCK_128x128: F.ScalingType.BlockWise128x128}
+    sa, sb = core._block_scale_layout(a), core._block_scale_layout(b)
+    ref = F.scaled_mm(a.data, b.data.t(), sa, kinds[a.layout], sb, kinds[b.layout],
+                      swizzle_a=F.SwizzleType.NO_SWIZZLE, swizzle_b=F.SwizzleType.NO_SWIZZLE,
+                      output_dtype=torch.bfloat16)
+    out = torch.full_like(ref, float("nan"))
+    assert cublaslt.matmul(a.data, sa, a.layout, b.data, sb, b.layout, out)
+    return torch.equal(out, ref), _rel(out, ref)
+
+
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="block-scaled cuBLASLt GEMMs: SM90")
+
+
+@SM90
+@pytest.mark.parametrize("gemm_name", ["fprop", "dgrad", "wgrad"])
+def test_direct_call_agrees_with_torch_for_e4m3(gemm_name: str) -> None:
+    """Operand order, scale modes and layouts as torch hands them to cuBLASLt: our call agrees
+    with torch's within accumulation order (torch offers cuBLASLt a workspace, we do not, so the
+    heuristic may pick another kernel here; a misplaced scale gives errors of order 1)."""
+    equal, rel = _direct_vs_torch(gemm_name)
+    print(f"{gemm_name}: direct vs torch {'bitwise equal' if equal else f'rel diff {rel:.2e}'}")
+    assert equal or rel < 2e-3
+
+
+@SM90
+def test_direct_call_is_torchs_kernel_without_workspace() -> None:
+    """With ``CUBLASLT_WORKSPACE_SIZE=0`` (read by torch at its first cuBLASLt call, so in a fresh
+    process) torch's heuristic answers as ours: every GEMM bit for bit torch's."""
+    code = ("import torch, tests.test_cublaslt_gpu as t\n"
+            "torch.manual_seed(0)\n"
+            "print([t._direct_vs_torch(g)[0] for g in ('fprop', 'dgrad', 'wgrad')])")
+    env = {**os.environ, "CUBLASLT_WORKSPACE_SIZE": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[True, True, True]", run.stdout
+
+
+@SM90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gemm_name", ["dgrad", "wgrad"])
+def test_hybrid_gemm_runs_on_cublaslt(gemm_name: str, out_dtype: torch.dtype) -> None:
+    """An E5M2 gradient with block scales: ``gemm`` runs it on cuBLASLt, within accumulation
+    order of the emulation and of our Triton GEMM, and deterministic (two calls, same bits)."""
+    a, b = _operands(HYBRID, gemm_name)
+    assert torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
+    with core.record_gemms() as calls:
+        got = core.gemm(a, b, out_dtype, name=gemm_name)
+        again = core.gemm(a, b, out_dtype, name=gemm_name)
+    # BF16 output: cuBLASLt must take it; FP32 (wgrad into main_grad): cuBLASLt if it has a kernel
+    paths = {f"{gemm_name}[cublaslt]"} if out_dtype == torch.bfloat16 else {f"{gemm_name}[{p}]" for p in
+                                                                            ("cublaslt", "triton")}
+    assert len({c.name for c in calls}) == 1 and calls[0].name in paths, calls
+    assert torch.equal(got, again)
+    with core.force_backend("emulate"):
+        emu = core.gemm(a, b, out_dtype)
+    triton = core._triton_blocks(a, b, out_dtype, fast_accum=False)
+    print(f"{calls[0].name} {out_dtype}: vs emulated {_rel(got, emu):.2e}, vs Triton {_rel(got, triton):.2e}")
+    assert _rel(got, emu) < 4e-3 and _rel(got, triton) < 4e-3
+
+
+@SM90
+def test_hybrid_choice_triton_and_unaligned_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_HYBRID_GEMM=triton`` takes the Triton GEMM; an ``out`` that is not 256-byte
+    aligned still gets cuBLASLt's result (computed aside, copied in)."""
+    a, b = _operands(HYBRID, "dgrad")
+    ref = core.gemm(a, b, torch.bfloat16)
+    buf = torch.empty(M * N + 8, device="cuda", dtype=torch.bfloat16)
+    out = buf[8:].view(M, N)  # 16 bytes past an aligned start
+    with core.record_gemms() as calls:
+        core.gemm(a, b, torch.bfloat16, name="dgrad", out=out)
+    assert calls[0].name == "dgrad[cublaslt]" and torch.equal(out, ref)
+    monkeypatch.setenv("MEGATRON_FP8_HYBRID_GEMM", "triton")
+    with core.record_gemms() as calls:
+        tri = core.gemm(a, b, torch.bfloat16, name="dgrad")
+    assert calls[0].name == "dgrad[triton]" and _rel(tri, ref) < 4e-3
+
+
+@SM90
+def test_hybrid_linear_native_flag_bitwise_and_graphed() -> None:
+    """A HYBRID block ``Linear``: fprop on torch's cuBLAS, dgrad and wgrad on cuBLASLt directly,
+    ``save_original_input`` on == off bitwise, and a captured step's replay equal to an eager
+    step of the same layer on the same data."""
+    x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for flag in (False, True):
+        torch.manual_seed(0)
+        layer = mf.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=flag)
+        xi = x.clone().requires_grad_()
+        with core.record_gemms() as calls:
+            with mf.fp8_autocast(fp8_recipe=HYBRID):
+                y = layer(xi)
+            y.backward(dy)
+        assert sorted(c.name for c in calls) == ["dgrad[cublaslt]", "fprop", "wgrad[cublaslt]"], calls
+        assert all(c.backend is core.Backend.NATIVE for c in calls)
+        results.append([y.detach(), xi.grad, layer.weight.grad])
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+
+    xs, dys = x.clone().requires_grad_(), dy.clone()
+
+    def step() -> list[torch.Tensor]:
+        xs.grad, layer.weight.grad = None, None
+        with mf.fp8_autocast(fp8_recipe=HYBRID):
+            out = layer(xs)
+        out.backward(dys)
+        return [out, xs.grad, layer.weight.grad]
+
+    graph, captured = capture_step(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    graphed = [t.clone() for t in captured]
+    eager = step()
+    for one, two in zip(graphed, eager):
+        assert torch.equal(one, two)
+
+
+@SM90
+def test_e4m3_block_linear_on_cublaslt_agrees_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_BLOCK_GEMM=cublaslt`` (opt-in): an E4M3 block ``Linear``'s three GEMMs go
+    through ``matmul`` and agree with torch's ``scaled_mm`` path (bitwise where the heuristic picks
+    torch's kernel: see the workspace test above)."""
+    x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = cublaslt.matmul
+    monkeypatch.setattr(cublaslt, "matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    results = []
+    for choice in ("torch", "cublaslt"):
+        monkeypatch.setenv("MEGATRON_FP8_BLOCK_GEMM", choice)
+        torch.manual_seed(0)
+        layer = mf.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        xi = x.clone().requires_grad_()
+        with mf.fp8_autocast(fp8_recipe=Float8BlockScaling()):
+            y = layer(xi)
+        y.backward(dy)
+        results.append([y.detach(), xi.grad, layer.weight.grad])
+        assert len(calls) == (3 if choice == "cublaslt" else 0), calls
+    for one, two in zip(*results):
+        assert torch.equal(one, two) or _rel(one, two) < 2e-3
