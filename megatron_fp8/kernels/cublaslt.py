@@ -118,7 +118,7 @@ _plans: dict[tuple, _Plan | None] = {}
 
 
 def _set(lib: ctypes.CDLL, desc: ctypes.c_void_p, attr: int, value: ctypes._SimpleCData) -> None:
-    _ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+    _ok(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
         f"matmul descriptor attribute {attr}")
 
 
@@ -147,9 +147,9 @@ def _plan(key: tuple) -> _Plan | None:
     found, got = Heuristic(), ctypes.c_int(0)
     try:
         _ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ctypes.c_uint64(0)),
-                                                     8), "workspace preference")
-        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, lay_a, lay_b, lay_d, lay_d, pref, 1,
-                                                    ctypes.byref(found), ctypes.byref(got))
+                                                     ctypes.c_size_t(8)), "workspace preference")
+        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, lay_a, lay_b, lay_d, lay_d, pref,
+                                                    ctypes.c_int(1), ctypes.byref(found), ctypes.byref(got))
     finally:
         lib.cublasLtMatmulPreferenceDestroy(pref)
     if status != 0 or got.value < 1 or found.state != 0:
