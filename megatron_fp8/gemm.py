@@ -313,8 +313,8 @@ def gemm(
             return y
         backend = Backend.EMULATE
         notice_emulation(name, (a.layout, b.layout), (m, n, k), "E5M2 operands with block scales: torch's "
-                         "scaled_mm refuses them, and cuBLASLt and our Triton GEMM need every dim a multiple "
-                         "of 128")
+                         "scaled_mm refuses them, and neither cuBLASLt nor our Triton GEMM takes this shape and "
+                         "layout pair (both need every dim a multiple of 128)")
     elif backend is Backend.EMULATE and a.data.is_cuda and forced_backend() is None:
         notice_emulation(name, (a.layout, b.layout), (m, n, k), _emulation_reason(a, b))
     record(name, backend, (a.layout, b.layout), (m, n, k))
@@ -345,8 +345,9 @@ def _hybrid_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: b
             return "cublaslt", y if aligned else _into(out, y)
     if cublaslt.choice() == "cublaslt":
         raise RuntimeError(f"{name} {tuple(a.shape)} x {tuple(b.shape)} ({a.layout.value} {a.data.dtype} x "
-                           f"{b.layout.value} {b.data.dtype} -> {out_dtype}): cuBLASLt has no kernel for it here "
-                           f"(MEGATRON_FP8_HYBRID_GEMM=cublaslt forbids the Triton fallback; 'auto' allows it)")
+                           f"{b.layout.value} {b.data.dtype} -> {out_dtype}): cuBLASLt declined it (no kernel, a "
+                           f"shape or pointer it does not take, or no libcublasLt loaded); "
+                           f"MEGATRON_FP8_HYBRID_GEMM=cublaslt forbids the Triton fallback, 'auto' allows it")
     if _triton_serves(a, b):
         return "triton", _into(out, _triton_blocks(a, b, out_dtype, fast_accum))
     return None

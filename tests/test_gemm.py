@@ -214,3 +214,14 @@ def test_gemm_out_checked_and_misaligned_out_copied() -> None:
         out = buf[skip:skip + 32 * 16].view(32, 16)
         assert out.data_ptr() % 256 and core.gemm(a, b, torch.float32, out=out) is out
     assert torch.equal(out, want) and buf[:skip].isnan().all() and buf[skip + 32 * 16:].isnan().all()
+
+
+def test_megatron_launch_counts_each_gemm_by_its_kernel() -> None:
+    """``launch --count-gemms`` tallies the kernel from a name's last bracket (an expert's index
+    may come first), else the backend."""
+    from megatron_fp8.megatron.launch import _kind
+
+    pair, mnk = (ScaleLayout.BLOCK_1x128, ScaleLayout.BLOCK_128x128), (128, 128, 128)
+    cases = {("wgrad[3][cublaslt]", core.Backend.NATIVE): "cublaslt", ("dgrad[triton]", core.Backend.NATIVE): "triton",
+             ("fprop[3]", core.Backend.NATIVE): "native", ("fprop", core.Backend.EMULATE): "emulate"}
+    assert {key: _kind(core.GemmCall(key[0], key[1], pair, mnk)) for key in cases} == cases

@@ -27,6 +27,7 @@ import ctypes
 import functools
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ L = ScaleLayout
 # cublasLt.h / library_types.h values (those probe_cublaslt_algos.py ran on the H200)
 COMPUTE_32F, R_32F = 68, 0
 DTYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29, torch.bfloat16: 14, torch.float16: 2, torch.float32: 0}
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the GEMM core's outputs (C = D: never FP8)
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
 DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
@@ -129,35 +131,56 @@ def _layout(lib: ctypes.CDLL, dtype: int, rows: int, cols: int) -> ctypes.c_void
     return lay
 
 
-def _plan(key: tuple) -> _Plan | None:
-    """Descriptors and the heuristic's first kernel for ``key`` (see ``matmul``); None where
-    cuBLASLt has none."""
+def _plan(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _Plan | None:
+    """Descriptors and the heuristic's first kernel for ``key`` (see ``matmul``), asked with the
+    first call's scale pointers set (as torch and the verified probe ask it); None where cuBLASLt
+    has none. Frees what it made when it returns None or raises."""
     device, m, n, k, a_dtype, b_dtype, out_dtype, a_layout, b_layout = key
     lib = library()
-    desc = ctypes.c_void_p()
-    _ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F), "matmul descriptor")
-    _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
-    _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
-    _set(lib, desc, DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_MODES[b_layout]))
-    _set(lib, desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_MODES[a_layout]))
-    lay_a, lay_b, lay_d = (_layout(lib, DTYPES[b_dtype], k, n), _layout(lib, DTYPES[a_dtype], k, m),
-                           _layout(lib, DTYPES[out_dtype], n, m))
-    pref = ctypes.c_void_p()
-    _ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "matmul preference")
-    found, got = Heuristic(), ctypes.c_int(0)
+    desc, pref, lays = ctypes.c_void_p(), ctypes.c_void_p(), []
+    found, got, status = Heuristic(), ctypes.c_int(0), -1
     try:
+        _ok(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), COMPUTE_32F, R_32F), "matmul descriptor")
+        _set(lib, desc, DESC_TRANSA, ctypes.c_int32(OP_T))
+        _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+        _set(lib, desc, DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_MODES[b_layout]))
+        _set(lib, desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_MODES[a_layout]))
+        _set(lib, desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
+        _set(lib, desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
+        for dtype, rows, cols in ((b_dtype, k, n), (a_dtype, k, m), (out_dtype, n, m)):
+            lays.append(_layout(lib, DTYPES[dtype], rows, cols))
+        _ok(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "matmul preference")
         _ok(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ctypes.c_uint64(0)),
                                                      ctypes.c_size_t(8)), "workspace preference")
-        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, lay_a, lay_b, lay_d, lay_d, pref,
+        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), desc, lays[0], lays[1], lays[2], lays[2], pref,
                                                     ctypes.c_int(1), ctypes.byref(found), ctypes.byref(got))
     finally:
-        lib.cublasLtMatmulPreferenceDestroy(pref)
+        if pref.value:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        if status != 0 or got.value < 1 or found.state != 0:
+            for lay in lays:
+                lib.cublasLtMatrixLayoutDestroy(lay)
+            if desc.value:
+                lib.cublasLtMatmulDescDestroy(desc)
     if status != 0 or got.value < 1 or found.state != 0:
-        for lay in (lay_a, lay_b, lay_d):
-            lib.cublasLtMatrixLayoutDestroy(lay)
-        lib.cublasLtMatmulDescDestroy(desc)
         return None
-    return _Plan(_handle(device), desc, lay_a, lay_b, lay_d, found.algo, threading.Lock())
+    return _Plan(_handle(device), desc, *lays, found.algo, threading.Lock())
+
+
+_failed: set[tuple] = set()
+
+
+def _plan_or_none(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _Plan | None:
+    """``_plan``, with a failing cuBLASLt call (a status other than "no kernel") turned into None
+    and a warning naming the problem: the caller then runs the Triton GEMM, never silently."""
+    try:
+        return _plan(key, a_scale, b_scale)
+    except RuntimeError as e:
+        if key not in _failed:
+            _failed.add(key)
+            warnings.warn(f"megatron_fp8: cuBLASLt could not plan the block GEMM {key[1:4]} ({key[4]} x {key[5]} -> "
+                          f"{key[6]}): {e}; our Triton GEMM runs it instead", RuntimeWarning, stacklevel=4)
+        return None
 
 
 def block_choice() -> str:
@@ -181,7 +204,7 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
     """Whether ``matmul`` may take this block GEMM (it can still find no kernel): on CUDA, every
     dim a multiple of 128, one E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two
     E4M3 ones under ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
-    if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in DTYPES):
+    if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in OUT_DTYPES):
         return False
     (m, k), (n, _) = a.shape, b.shape
     if (a_layout, b_layout) == (L.BLOCK_128x128, L.BLOCK_128x128) or m % 128 or n % 128 or k % 128:
@@ -198,9 +221,11 @@ def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: tor
            b_layout: ScaleLayout, out: torch.Tensor) -> bool:
     """``out = a @ b.T`` (``a [m, k]``, ``b [n, k]``, FP8 and K-major; ``out`` a contiguous
     ``[m, n]``), the scales laid out as torch hands them to cuBLASLt (``gemm._block_scale_layout``).
-    False, with nothing launched, where cuBLASLt has no kernel for the problem or a pointer is
-    not 256-byte aligned. Only for what ``serves`` accepts."""
-    if any(t.data_ptr() % ALIGN for t in (a, b, out)) or not (a.is_contiguous() and b.is_contiguous()):
+    False, with nothing launched, where cuBLASLt has no kernel for the problem (or failed to plan
+    it: warned once), a pointer is not 256-byte aligned (scales: 16) or an operand is not
+    contiguous. Only for what ``serves`` accepts. A failing launch raises."""
+    if (any(t.data_ptr() % ALIGN for t in (a, b, out)) or a_scale.data_ptr() % 16 or b_scale.data_ptr() % 16
+            or not (a.is_contiguous() and b.is_contiguous())):
         return False
     (m, k), (n, _) = a.shape, b.shape
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -208,7 +233,7 @@ def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: tor
     plan = _plans.get(key, False)
     if plan is False:
         with torch.cuda.device(device):
-            plan = _plans[key] = _plan(key)
+            plan = _plans[key] = _plan_or_none(key, a_scale, b_scale)
     if plan is None:
         return False
     if torch.cuda.current_device() != device:  # the handle and the launch belong to a's device

@@ -18,6 +18,18 @@ import collections
 import os
 import runpy
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..gemm import GemmCall
+
+
+def _kind(call: GemmCall) -> str:
+    """Which kernel ran a recorded GEMM: ``cublaslt`` / ``triton`` from the name's last bracket
+    (``"wgrad[3][cublaslt]"``: expert 3's wgrad), else the backend (``native``: torch's
+    ``scaled_mm``; ``emulate``)."""
+    last = call.name.rpartition("[")[2].rstrip("]")
+    return last if last in ("cublaslt", "triton") else call.backend.value
 
 
 def _count_gemms() -> None:
@@ -28,8 +40,7 @@ def _count_gemms() -> None:
     calls = recording.__enter__()  # open for the whole process (the reference keeps it open)
 
     def report() -> None:
-        kinds = collections.Counter(  # "dgrad[cublaslt]" -> cublaslt; else native (torch) or emulate
-            c.name.partition("[")[2].rstrip("]") or c.backend.value for c in calls)
+        kinds = collections.Counter(_kind(c) for c in calls)
         rank = os.environ.get("RANK", "0")
         parts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"
         print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)
