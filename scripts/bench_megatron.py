@@ -64,12 +64,14 @@ class Variant:
     ours: bool
     recipe: str | None = None
     flags: bool = False
+    fmt: str = "hybrid"  # Megatron's --fp8-format (hybrid: E5M2 gradients, what Megatron users pass)
 
 
 def variants(names: list[str] | None) -> list[Variant]:
     all_ = [Variant("megatron-bf16", False), Variant("megatron-bf16-own-attn", False), Variant("ours-bf16", True)]
     for r in RECIPES:
         all_ += [Variant(f"ours-{r}", True, r), Variant(f"ours-{r}+flags", True, r, True)]
+    all_.append(Variant("ours-blockwise-e4m3", True, "blockwise", fmt="e4m3"))  # the E5M2 GEMMs' share, apart
     return [v for v in all_ if names is None or v.name in names]
 
 
@@ -98,7 +100,7 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     spec = SPEC if v.ours else BASELINE_SPEC if v.name == "megatron-bf16" else []
     cmd = run + CONFIGS[config] + COMMON + layers + spec
     if v.recipe is not None:
-        cmd += ["--fp8-format", "hybrid", "--fp8-recipe", v.recipe]
+        cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
             cmd += ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
     env = dict(os.environ)

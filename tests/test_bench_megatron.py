@@ -49,3 +49,20 @@ def test_megatron_lm_example_script_parses() -> None:
     subprocess.run(["bash", "-n", script], check=True)
     proc = subprocess.run(["bash", script], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
     assert proc.returncode != 0 and "set MEGATRON_LM" in proc.stderr
+
+
+def test_fp8_variants_pass_megatrons_format_and_recipe() -> None:
+    """Every FP8 run passes Megatron's own ``--fp8-format`` / ``--fp8-recipe``: hybrid (E5M2
+    gradients, what Megatron users pass), and one blockwise run in E4M3 to set the E5M2 GEMMs apart."""
+    import argparse
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2)
+    formats = {}
+    for v in bm.variants(None):
+        cmd, _ = bm._command(args, "dense-1b", v, "")
+        formats[v.name] = (cmd[cmd.index("--fp8-format") + 1], cmd[cmd.index("--fp8-recipe") + 1]) \
+            if "--fp8-format" in cmd else None
+    assert formats["ours-blockwise-e4m3"] == ("e4m3", "blockwise")
+    assert formats["ours-blockwise"] == ("hybrid", "blockwise")
+    assert formats["ours-delayed+flags"] == ("hybrid", "delayed")
+    assert formats["megatron-bf16"] is None and formats["ours-bf16"] is None
