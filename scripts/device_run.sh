@@ -17,8 +17,14 @@ steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests gemm linear grouped)
 for what in "${steps[@]}"; do
   case $what in
     # every GPU test (megatron-core from the carried Megatron-LM checkout for the audit's GPTs)
-    tests) PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py \
-        tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # the direct cuBLASLt GEMMs first, in their own process: if they fail (or crash), every later
+    # test and step of this call runs the HYBRID block GEMMs on Triton instead
+    tests) python3 -m pytest -q -rs -s -p no:logging tests/test_cublaslt_gpu.py 2>&1 | tee "$OUT/gpu_tests_cublaslt.log"
+      if [ "${PIPESTATUS[0]}" -ne 0 ]; then export MEGATRON_FP8_HYBRID_GEMM=triton
+        echo "test_cublaslt_gpu failed: MEGATRON_FP8_HYBRID_GEMM=triton from here on" | tee -a "$OUT/gpu_tests_cublaslt.log"; fi
+      PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py \
+        tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py \
+        --deselect tests/test_cublaslt_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
     # the eager host cost per layer (the host-cost issue's table), median of 3 fresh processes
     host) (cd scripts && python3 profile_host.py --processes 3) 2>&1 | tee "$OUT/profile_host.log" ;;
     # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
