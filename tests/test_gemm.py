@@ -225,3 +225,15 @@ def test_megatron_launch_counts_each_gemm_by_its_kernel() -> None:
     cases = {("wgrad[3][cublaslt]", core.Backend.NATIVE): "cublaslt", ("dgrad[triton]", core.Backend.NATIVE): "triton",
              ("fprop[3]", core.Backend.NATIVE): "native", ("fprop", core.Backend.EMULATE): "emulate"}
     assert {key: _kind(core.GemmCall(key[0], key[1], pair, mnk)) for key in cases} == cases
+
+
+def test_cublaslt_structs_match_the_c_abi() -> None:
+    """``cublasLtMatmulAlgo_t`` is 64 opaque bytes; ``cublasLtMatmulHeuristicResult_t`` is 96,
+    its ``state`` (the cuBLAS status read to accept an answer) at byte 72: a drifted field would
+    make the GPU path misread the heuristic's answer."""
+    import ctypes
+
+    from megatron_fp8.kernels import cublaslt
+
+    assert ctypes.sizeof(cublaslt.Algo) == 64
+    assert ctypes.sizeof(cublaslt.Heuristic) == 96 and cublaslt.Heuristic.state.offset == 72
