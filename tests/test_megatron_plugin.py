@@ -37,6 +37,18 @@ def test_both_builder_paths_build_the_same_model(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
+def test_sequence_parallelism_through_the_plugin(report: dict) -> None:
+    # per rank: BF16 and tensorwise dense GPTs at TP=2 with sequence parallelism (norms marked,
+    # loss, every gradient against the same model without it; the GEMM count under FP8) and an
+    # MoE GPT at TP=2, which megatron-core builds only with sequence parallelism
+    per_rank = report["counts"]["sp"] / report["world"]
+    assert per_rank >= 2 * (1 + 1 + 5) + 1 + 1
+    assert report["max_rel"]["sp"] <= 2e-2
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_fp8_gemms_run_under_config_fp8_without_our_region(report: dict) -> None:
     # per rank and recipe (4): the GEMM count and the loss check
     assert report["counts"]["gemms"] == 2 * 4 * report["world"]

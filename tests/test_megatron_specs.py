@@ -92,8 +92,17 @@ def test_layer_spec_replaces_linears_and_keeps_local_structure() -> None:
     attn, mlp = _submodules(ours.submodules.self_attention), _submodules(ours.submodules.mlp)
     assert (attn.linear_qkv, attn.linear_proj) == (ColumnParallelLinear, RowParallelLinear)
     assert (mlp.linear_fc1, mlp.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
-    assert ours.submodules.input_layernorm is theirs.submodules.input_layernorm  # separate norms kept
-    assert attn.q_layernorm is _submodules(theirs.submodules.self_attention).q_layernorm
+    # separate norms kept; megatron-core's torch norm becomes ours (the same module, sequence parallelism allowed)
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_fp8.megatron.norm import Norm
+
+    def expected(norm: type) -> type:
+        return Norm if norm is WrappedTorchNorm else norm
+
+    assert ours.submodules.input_layernorm is expected(theirs.submodules.input_layernorm)
+    assert ours.submodules.pre_mlp_layernorm is expected(theirs.submodules.pre_mlp_layernorm)
+    assert attn.q_layernorm is expected(_submodules(theirs.submodules.self_attention).q_layernorm)
     # the input spec is left untouched
     assert _submodules(theirs.submodules.self_attention).linear_qkv is not ColumnParallelLinear
 
@@ -255,3 +264,37 @@ def test_missing_megatron_core_names_the_install(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "megatron.core.models.gpt.gpt_layer_specs", None)  # import fails
     with pytest.raises(ImportError, match="pip install megatron-core"):
         get_gpt_layer_spec()
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_is_megatrons_torch_norm_with_sequence_parallelism(normalization: str) -> None:
+    """``norm.Norm`` builds the module megatron-core's ``WrappedTorchNorm`` builds (class, shape,
+    eps, outputs bitwise), takes ``sequence_parallel`` (its parameters marked for Megatron's TP
+    gradient all-reduce) and ``persist_layer_norm``, both of which megatron-core's refuses, and
+    refuses zero-centred gamma by name."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_fp8.megatron.norm import Norm
+
+    def config(**kw: Any) -> TransformerConfig:
+        return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, normalization=normalization,
+                                 persist_layer_norm=False, **kw)
+
+    theirs, ours = WrappedTorchNorm(config(), 64, eps=1e-6), Norm(config(), 64, eps=1e-6)
+    assert type(ours) is type(theirs) and ours.eps == theirs.eps
+    assert not any(hasattr(p, "sequence_parallel") for p in ours.parameters())
+    x = torch.randn(8, 64)
+    assert torch.equal(ours(x), theirs(x))
+    sp = config()
+    sp.sequence_parallel, sp.persist_layer_norm = True, True  # set after the config's own checks (TP=1 here)
+    with pytest.raises(AssertionError):
+        WrappedTorchNorm(sp, 64)
+    marked = Norm(sp, 64)
+    assert [getattr(p, "sequence_parallel", None) for p in marked.parameters()] == [True] * len(list(
+        marked.parameters())) and len(list(marked.parameters())) == (2 if normalization == "LayerNorm" else 1)
+    gamma = config()
+    gamma.layernorm_zero_centered_gamma = True
+    with pytest.raises(ValueError, match="layernorm_zero_centered_gamma=True"):
+        Norm(gamma, 64)

@@ -5,10 +5,10 @@ Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing t
 
 * ``layer_spec(config, vp_stage=None)``: Megatron-LM's builder calls it with the model config (a
   ``TransformerConfig``, or main's ``GPTModelConfig`` holding one as ``.transformer``) and gets
-  megatron-core's local spec with our linears, built from ``num_moe_experts``,
-  ``moe_grouped_gemm``, ``qk_layernorm``, ``normalization``, ``qk_l2_norm`` (MoE: the decoder
-  block spec, so ``moe_layer_freq`` and pipeline stages are Megatron's), with the SDPA core
-  attention on CUDA (``MEGATRON_FP8_CORE_ATTENTION=local`` keeps megatron-core's). The older builder
+  megatron-core's local decoder block spec with our linears and norms (``specs.to_fp8_spec``),
+  built from the config (``num_moe_experts``, ``moe_grouped_gemm``, ``moe_layer_freq``,
+  ``qk_layernorm``, ``normalization``, ``qk_l2_norm``; pipeline stages are Megatron's), with the
+  SDPA core attention on CUDA (``MEGATRON_FP8_CORE_ATTENTION=local`` keeps megatron-core's). The older builder
   (``gpt_builders.py``) passes the function through uncalled; the transformer block then calls
   it with its config (``compat.py``).
 * ``--fp8-format`` / ``--fp8-recipe`` / ``--fp8-margin`` / ``--fp8-amax-history-len`` /
@@ -80,20 +80,14 @@ def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
         return get_gpt_layer_spec(experts, bool(getattr(cfg, "moe_grouped_gemm", False)),
                                   bool(getattr(cfg, "qk_layernorm", False)), True,
                                   getattr(cfg, "normalization", None), core_attention="sdpa")
-    if getattr(cfg, "num_moe_experts", None):
-        specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
-        block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
-                                                 normalization=getattr(cfg, "normalization", None),
-                                                 qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
-        return to_fp8_spec(block, grouped_experts=bool(getattr(cfg, "moe_grouped_gemm", False)),
-                           core_attention=core_attention())
-    return get_gpt_layer_spec(
-        qk_layernorm=bool(getattr(cfg, "qk_layernorm", False)),
-        multi_latent_attention=bool(getattr(cfg, "multi_latent_attention", False)),
-        normalization=getattr(cfg, "normalization", None),
-        qk_l2_norm=bool(getattr(cfg, "qk_l2_norm", False)),
-        core_attention=core_attention(),
-    )
+    # the decoder block spec, dense or MoE: Megatron's layer pattern and pipeline stages, and the
+    # block's final norm converted with the layers' (norm.Norm: sequence parallelism allowed)
+    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
+    block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
+                                             normalization=getattr(cfg, "normalization", None),
+                                             qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
+    grouped = bool(getattr(cfg, "num_moe_experts", None)) and bool(getattr(cfg, "moe_grouped_gemm", False))
+    return to_fp8_spec(block, grouped_experts=grouped, core_attention=core_attention())
 
 
 def baseline_spec(config: Any = None, vp_stage: int | None = None) -> Any:

@@ -18,7 +18,12 @@ Megatron's. What is replaced:
   ``moe_grouped_gemm`` says. Its checkpoint keys are ``TEGroupedMLP``'s (``linear_fc1.weight{i}``
   per expert, as with Transformer Engine's grouped experts).
 
-Norms, core attention, the router and the token dispatchers stay Megatron's.
+* megatron-core's torch norm (``WrappedTorchNorm``: ``input_layernorm``, ``pre_mlp_layernorm``,
+  q/k layernorms, a block spec's final norm) by ``norm.Norm``: the same module, with
+  ``sequence_parallel`` allowed (its parameters marked for Megatron's gradient all-reduce).
+
+Apex's and TE's norms, core attention (unless ``core_attention="sdpa"``), the router and the
+token dispatchers stay Megatron's.
 
 Multi-latent attention (``multi_latent_attention=True``) uses ``mla.MLASelfAttention``:
 megatron-core's class made to accept our down-projections (its constructor checks the classes of
@@ -127,6 +132,15 @@ def _replacements(core_attention: str = "local") -> dict[type, type]:
     return out
 
 
+def _norm_replacements() -> dict[type, type]:
+    """megatron-core's torch norm -> ours (``norm.Norm``: the same module, with sequence
+    parallelism allowed); apex's and TE's norms, which take it already, stay."""
+    from .norm import Norm
+
+    torch_norm = import_megatron("megatron.core.transformer.torch_norm", "megatron_fp8.megatron.to_fp8_spec")
+    return {torch_norm.WrappedTorchNorm: Norm}
+
+
 def _grouped_experts() -> tuple[type, Any]:
     """Our ``GroupedMLP`` container (megatron-core's ``TEGroupedMLP``, working with
     ``config.fp8`` and no TE: ``experts.py``) and its submodules holding our grouped linears, in
@@ -158,6 +172,7 @@ class _Converter:
         self.to_group.discard(None)
         self.grouped = 0
         self.classes = _replacements(core_attention)
+        self.norms = _norm_replacements()  # not counted in ``replaced`` (the count of linears and cores)
         self.replaced = 0
         self.te_classes: list[str] = []
         self.mla: list[str] = []  # multi-latent attention classes met (mla.py)
@@ -217,6 +232,8 @@ class _Converter:
         return new
 
     def _class(self, cls: type) -> type:
+        if cls in self.norms:
+            return self.norms[cls]
         if cls in self.classes:
             self.replaced += 1
             return self.classes[cls]

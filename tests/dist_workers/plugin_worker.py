@@ -1,6 +1,7 @@
 """torchrun worker: megatron-core ``GPTModel``s built through the Megatron-LM plug-in exactly as
 Megatron-LM builds them, trained with ``config.fp8`` set and no FP8 region opened by this file
-(gloo, CPU, 2 ranks; the dense model at TP=2, the MoE model at TP=1 on each rank).
+(gloo, CPU, 2 ranks; the dense model at TP=2, the MoE model at TP=1 on each rank, and both at
+TP=2 with sequence parallelism).
 
 Categories of the JSON report:
 
@@ -22,6 +23,11 @@ Categories of the JSON report:
   three gradient terms are summed in another order; megatron-core's own
   ``CheckpointWithoutOutput`` does the same, and ours equals it bitwise (loss and every
   gradient), FP8 off, where Megatron's runs without TE.
+* ``sp``: ``sequence_parallel=True`` at TP=2 (megatron-core's torch norms refuse it; the
+  plug-in's ``norm.Norm`` takes it): norm parameters marked, loss and gradients (norms' summed
+  over the TP group, as ``finalize_model_grads`` sums them) equal the model without it within
+  float reordering, BF16 and tensorwise; an MoE GPT at TP=2 (megatron-core requires sequence
+  parallelism there) builds and trains under FP8.
 * ``errors``: ``layer_spec()`` without a config, or with something that is not Megatron's
   config, and a ``MEGATRON_FP8_CONFIG`` file with an ``fp8:`` section raise, naming the fix.
 * ``moe``: an MoE GPT (4 experts, top-2, shared expert, grouped GEMM, real router: uneven
@@ -62,15 +68,17 @@ from megatron_fp8.megatron import plugin  # noqa: E402
 from megatron_fp8.modules.base import FP8Module  # noqa: E402
 
 LOSS_RTOL = 2e-3
+SP_RTOL = 1e-5  # sequence parallelism reorders float sums (reduce-scatter and all-gather for all-reduce)
 RECOMPUTE_RTOL = 1e-5  # max|g - g_ref| / max|g_ref|: float sums reordered, see the module docstring
 VOCAB, SEQ, BATCH = 512, 64, 2
 RECIPES = (("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "hybrid"), ("mxfp8", "e4m3"))
 
 
-def _config(tp: int, fp8: tuple[str, str] | None, recompute: list[str] | None = None, moe: bool = False
-            ) -> TransformerConfig:
+def _config(tp: int, fp8: tuple[str, str] | None, recompute: list[str] | None = None, moe: bool = False,
+            sp: bool = False) -> TransformerConfig:
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
-              tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+              tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
+              params_dtype=torch.float32,
               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False,
               masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
               normalization="RMSNorm")
@@ -242,6 +250,44 @@ def check_baseline_spec(ck: Checker, tp: int) -> None:
             and not _ours(model), f"baseline_spec built {type(attn.core_attention)} / {type(attn.linear_qkv)}")
 
 
+def _norm_params(model: GPTModel) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if "layernorm" in n}
+
+
+def check_sequence_parallel(ck: Checker, tp: int) -> None:
+    """``sequence_parallel=True`` at TP=``tp`` through the plug-in (megatron-core's torch norms
+    refuse it; ours take it): every norm's parameters (the final norm's too) are marked for
+    Megatron's TP gradient all-reduce; loss and gradients equal the same model without sequence
+    parallelism within float reordering, norm gradients once summed over the TP group as
+    ``finalize_model_grads`` sums them; FP8 (tensorwise) runs its GEMMs; MoE with TP, which
+    megatron-core allows only with sequence parallelism, builds and trains."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    for fp8 in (None, ("tensorwise", "hybrid")):
+        name = "bf16" if fp8 is None else "/".join(fp8)
+        plain, sp = _build(_config(tp, fp8)), _build(_config(tp, fp8, sp=True))
+        copy_weights(plain, sp)
+        norms = _norm_params(sp)
+        marks = {n: getattr(p, "sequence_parallel", None) for n, p in norms.items()}
+        ck.true("sp", len(marks) == 5 and all(marks.values()), f"{name}: norm parameters marked: {marks}")
+        (loss0, grads0, _, _), (loss1, grads1, calls, _) = _step(plain), _step(sp)
+        ck.close("sp", f"{name} loss", loss1, loss0, SP_RTOL if fp8 is None else LOSS_RTOL)
+        if fp8 is not None:
+            ck.true("sp", len(calls) == 24, f"{name}: {len(calls)} FP8 GEMMs with sequence parallelism, expected 24")
+        for n, g in grads0.items():
+            got = grads1.get(n)
+            if n in norms and got is not None:
+                got = got.clone()
+                dist.all_reduce(got, group=group)  # what finalize_model_grads does for marked parameters
+            ck.close("sp", f"{name} grad {n}", got, g, SP_RTOL if fp8 is None else LOSS_RTOL * 10)
+    moe = _build(_config(tp, ("tensorwise", "hybrid"), moe=True, sp=True))
+    loss, grads, calls, _ = _step(moe)
+    marked = [n for n, p in _norm_params(moe).items() if getattr(p, "sequence_parallel", False)]
+    ck.true("sp", bool(torch.isfinite(loss)) and len(calls) >= 3 * 6 and len(marked) == 5
+            and all(n in grads for n in marked),
+            f"MoE at TP={tp} with sequence parallelism: loss {loss.item()}, {len(calls)} FP8 GEMMs, "
+            f"marked norms with gradients {[n for n in marked if n in grads]}")
+
+
 def check_errors(ck: Checker) -> None:
     for bad, match in ((None, "needs Megatron's model config"), (object(), "expected Megatron's model config")):
         try:
@@ -271,6 +317,7 @@ def main() -> int:
     ck.guard("build", "main vs older builder path", check_builders, ck, world)
     ck.guard("build", "the baseline spec", check_baseline_spec, ck, world)
     ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
+    ck.guard("sp", "sequence parallelism through the plug-in", check_sequence_parallel, ck, world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
