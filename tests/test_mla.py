@@ -46,3 +46,13 @@ def test_mla_up_proj_recompute(report: dict) -> None:
 def test_deepseek_layout_mla_with_grouped_experts(report: dict) -> None:
     assert report["counts"]["deepseek"] >= 30 * report["world"]  # TP=1: training, the loss, every gradient
     assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_mla_with_sequence_parallelism_through_the_plugin(report: dict) -> None:
+    # TP=2: norms marked, the loss and every gradient FP8 off and under blocks against the same
+    # model without sequence parallelism; DeepSeek's layout (MLA + MoE) trains at TP=2
+    assert report["counts"]["sp"] >= 2 * (1 + 1 + 20) * report["world"]
+    assert report["max_rel"]["sp"] <= 1e-2
+    assert report["failures"] == 0

@@ -13,6 +13,9 @@ Categories of the JSON report:
   the columnwise FP8 copies of those three inputs per layer.
 * ``up_proj``: ``--recompute-modules mla_up_proj`` (q/k/v of the up-projections discarded):
   loss bitwise, gradients within ``RECOMPUTE_RTOL``.
+* ``sp`` (TP=2): sequence parallelism through the plug-in's block spec (our norms take it):
+  norms marked, loss and gradients against the same model without it, FP8 off and blocks;
+  DeepSeek's layout (MLA + MoE: megatron-core needs sequence parallelism for MoE with TP) trains.
 * ``deepseek`` (TP=1): MLA with grouped MoE experts and a shared expert (DeepSeek-V3's layout,
   small; kv_down 192 wide: a partial 128x128 weight block) trains under block scaling; the flags on
   q/kv_down and the shared expert's fc1 bitwise neutral.
@@ -26,6 +29,7 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 from common import Checker, init_gloo, shutdown
 from mcore_worker import _cpu_shims
 
@@ -51,11 +55,12 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_gr
            moe_router_load_balancing_type="none")
 
 
-def _config(tp: int, recompute: list[str] | None = None, moe: bool = False) -> MLATransformerConfig:
+def _config(tp: int, recompute: list[str] | None = None, moe: bool = False, sp: bool = False) -> MLATransformerConfig:
     extra = dict(recompute_granularity="selective", recompute_modules=recompute) if recompute else {}
     extra.update(MOE if moe else {})
     return MLATransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=512, tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
         q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64,
         rope_type="rope", qk_layernorm=True, use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0,
@@ -76,13 +81,20 @@ def _model(tp: int, recompute: list[str] | None = None, flags: bool = False, moe
     return model
 
 
-def _step(model: GPTModel, track: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+_RECIPE = object()  # _step's default: the module's RECIPE at the time of the call
+
+
+def _step(model: GPTModel, track: bool = False, recipe: object = _RECIPE
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One forward+backward under ``recipe`` (None: FP8 off): loss, gradients, live saved bytes."""
+    recipe = RECIPE if recipe is _RECIPE else recipe
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (B, S), generator=g)
     pos = torch.arange(S).expand(B, S)
     mask = torch.ones(1, 1, S, S, dtype=torch.bool).tril().logical_not()
     model.zero_grad(set_to_none=True)
-    with mf.fp8_autocast(fp8_recipe=RECIPE), mf.memory.track_saved_tensors(model) as saved:
+    with mf.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe), \
+            mf.memory.track_saved_tensors(model) as saved:
         loss = model(tokens, pos, mask, labels=tokens).float().mean()
     live = saved.live_bytes()  # at the end of forward: a discarded output counts 0
     loss.backward()
@@ -144,6 +156,42 @@ def check_deepseek_shape(ck: Checker, tp: int) -> None:
     _check_flags_neutral(ck, "deepseek", tp, moe=True)
 
 
+def _plugin_model(cfg: MLATransformerConfig) -> GPTModel:
+    """An MLA GPT as Megatron-LM builds it through the plug-in (its block spec: our final norm)."""
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=plugin.layer_spec(cfg), vocab_size=VOCAB,
+                    max_sequence_length=S, position_embedding_type="rope")
+
+
+def check_sequence_parallel(ck: Checker, tp: int) -> None:
+    """MLA at TP=``tp`` with sequence parallelism, through the plug-in (megatron-core's torch
+    norms refuse it): every norm parameter (input, q/kv latents, pre-MLP, final) marked for
+    Megatron's TP gradient all-reduce; FP8 off and under block scaling, the loss and every
+    gradient (norms' summed over the TP group, as ``finalize_model_grads`` sums them) equal to the
+    same model without sequence parallelism within float reordering; DeepSeek's layout (MLA with
+    MoE, which megatron-core allows with TP only under sequence parallelism) trains."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    for recipe in (None, Float8BlockScaling()):
+        name = "FP8 off" if recipe is None else "blocks"
+        plain, sp = _plugin_model(_config(tp)), _plugin_model(_config(tp, sp=True))
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), sp.parameters()):
+                q.copy_(p)
+        norms = {n for n, _ in sp.named_parameters() if "layernorm" in n}
+        marks = {n: getattr(p, "sequence_parallel", None) for n, p in sp.named_parameters() if n in norms}
+        ck.true("sp", len(marks) == 9 and all(marks.values()), f"{name}: norm parameters marked {marks}")
+        (loss0, grads0, _), (loss1, grads1, _) = _step(plain, recipe=recipe), _step(sp, recipe=recipe)
+        rtol = 1e-5 if recipe is None else 1e-2
+        ck.close("sp", f"{name} loss", loss1, loss0, rtol)
+        for n, g in grads0.items():
+            got = grads1.get(n)
+            if n in norms and got is not None:
+                got = got.clone()
+                dist.all_reduce(got, group=group)
+            ck.close("sp", f"{name} grad {n}", got, g, rtol)
+    _check_trains(ck, "sp", _plugin_model(_config(tp, moe=True, sp=True)), tp)
+
+
 def check_up_proj_recompute(ck: Checker, tp: int) -> None:
     global RECIPE
     RECIPE = Float8CurrentScaling()
@@ -168,8 +216,10 @@ def main() -> int:
         ck.guard("build", f"MLA GPT at TP={tp}", check_build, ck, tp)
         ck.guard("flags", f"MLA flags at TP={tp}", check_flags_and_bytes, ck, tp)
         ck.guard("up_proj", f"mla_up_proj recompute at TP={tp}", check_up_proj_recompute, ck, tp)
-        if tp == 1:  # megatron-core wants sequence parallelism for MoE with TP, and its torch norms refuse it
+        if tp == 1:  # MoE with TP needs sequence parallelism: check_sequence_parallel trains it at TP=2
             ck.guard("deepseek", "MLA + MoE at TP=1", check_deepseek_shape, ck, tp)
+        else:
+            ck.guard("sp", f"MLA with sequence parallelism at TP={tp}", check_sequence_parallel, ck, tp)
         parallel_state.destroy_model_parallel()
     code = ck.report()
     shutdown()
