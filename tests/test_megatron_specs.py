@@ -298,3 +298,36 @@ def test_norm_is_megatrons_torch_norm_with_sequence_parallelism(normalization: s
     gamma.layernorm_zero_centered_gamma = True
     with pytest.raises(ValueError, match="layernorm_zero_centered_gamma=True"):
         Norm(gamma, 64)
+
+
+def test_block_spec_converts_the_final_norm_and_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_gpt_block_spec(config)``: megatron-core's decoder block spec for the config with our
+    linears and norms, its final norm included (what a GPTModel needs for sequence parallelism);
+    MLA with ``moe_layer_freq`` other than 1 is refused by name. (One pipeline stage: the stage's
+    layer count and offset, which need megatron-core's process groups, are given here; the
+    torchrun workers build through it with real groups.)"""
+    import megatron.core.models.gpt.gpt_layer_specs as mcore_specs
+    import torch
+
+    monkeypatch.setattr(mcore_specs, "get_num_layers_to_build", lambda config, **kw: config.num_layers)
+    monkeypatch.setattr(mcore_specs, "get_transformer_layer_offset", lambda config, **kw: 0)
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_fp8.megatron import get_gpt_block_spec
+    from megatron_fp8.megatron.norm import Norm
+
+    cfg = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+                            persist_layer_norm=False, params_dtype=torch.float32)
+    block = get_gpt_block_spec(cfg, core_attention="local")
+    assert isinstance(block, TransformerBlockSubmodules) and block.layer_norm is Norm and len(block.layer_specs) == 3
+    for layer in block.layer_specs:
+        attn = _submodules(layer.submodules.self_attention)
+        assert (attn.linear_qkv, attn.linear_proj) == (ColumnParallelLinear, RowParallelLinear)
+        assert layer.submodules.input_layernorm is Norm
+    mla = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                               qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16, num_moe_experts=2,
+                               moe_layer_freq=2, moe_ffn_hidden_size=64, params_dtype=torch.float32)
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        get_gpt_block_spec(mla)

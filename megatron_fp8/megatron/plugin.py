@@ -43,8 +43,7 @@ from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from .compat import patch_megatron
 from .fp8 import recipe_from_megatron
-from .norm import Norm
-from .specs import default_core_attention, get_gpt_layer_spec, import_megatron, to_fp8_spec, with_core_attention
+from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
 
 __all__ = ["layer_spec", "baseline_spec", "install", "ENV_CONFIG", "ENV_CORE_ATTENTION"]
 
@@ -65,39 +64,13 @@ def _transformer_config(config: Any) -> Any:
 
 
 def layer_spec(config: Any = None, vp_stage: int | None = None) -> Any:
-    """The transformer-layer (dense) or decoder-block (MoE) spec for ``config``, with
-    megatron_fp8's linears (see the module docstring)."""
+    """The decoder block spec for ``config`` with megatron_fp8's linears and norms
+    (``specs.get_gpt_block_spec``; see the module docstring)."""
     if config is None:
         raise TypeError("megatron_fp8.megatron.plugin.layer_spec needs Megatron's model config: Megatron-LM "
                         "calls it as layer_spec(config) or layer_spec(config, vp_stage=...)")
     install()
-    cfg = _transformer_config(config)
-    if getattr(cfg, "multi_latent_attention", False):  # our MLA layer (megatron-core's MLA spec needs TE)
-        experts = getattr(cfg, "num_moe_experts", None)
-        if experts and getattr(cfg, "moe_layer_freq", 1) not in (1, None):
-            raise ValueError("megatron_fp8.megatron.plugin: multi-latent attention with moe_layer_freq != 1 is not "
-                             "supported (the plug-in builds one MLA layer spec for every layer); use "
-                             "--moe-layer-freq 1")
-        layer = get_gpt_layer_spec(experts, bool(getattr(cfg, "moe_grouped_gemm", False)),
-                                   bool(getattr(cfg, "qk_layernorm", False)), True,
-                                   getattr(cfg, "normalization", None), core_attention="sdpa")
-        return _block_of(cfg, layer, vp_stage)
-    # the decoder block spec, dense or MoE: Megatron's layer pattern and pipeline stages, and the
-    # block's final norm converted with the layers' (norm.Norm: sequence parallelism allowed)
-    specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.megatron.plugin")
-    block = specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False,
-                                             normalization=getattr(cfg, "normalization", None),
-                                             qk_l2_norm=getattr(cfg, "qk_l2_norm", False), vp_stage=vp_stage)
-    grouped = bool(getattr(cfg, "num_moe_experts", None)) and bool(getattr(cfg, "moe_grouped_gemm", False))
-    return to_fp8_spec(block, grouped_experts=grouped, core_attention=core_attention())
-
-
-def _block_of(cfg: Any, layer: Any, vp_stage: int | None) -> Any:
-    """The block megatron-core's transformer block builds from a layer spec (this stage's layers),
-    with our final norm (``norm.Norm``, which takes sequence parallelism) in place of its own."""
-    block = import_megatron("megatron.core.transformer.transformer_block", "megatron_fp8.megatron.plugin")
-    layers = block.get_num_layers_to_build(cfg, vp_stage=vp_stage)
-    return block.TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=Norm)
+    return get_gpt_block_spec(_transformer_config(config), vp_stage, core_attention=core_attention())
 
 
 def baseline_spec(config: Any = None, vp_stage: int | None = None) -> Any:
