@@ -49,6 +49,14 @@ def test_sequence_parallelism_through_the_plugin(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
+def test_megatrons_own_linears_under_fp8_are_named(report: dict) -> None:
+    # per rank: the baseline spec's linears named once on rank 0 (none elsewhere), ours never
+    assert report["counts"]["warn"] == 2 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_fp8_gemms_run_under_config_fp8_without_our_region(report: dict) -> None:
     # per rank and recipe (4): the GEMM count and the loss check
     assert report["counts"]["gemms"] == 2 * 4 * report["world"]

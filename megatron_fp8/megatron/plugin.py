@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -121,12 +122,17 @@ class _FirstForward:
             return
         root = _unwrapped(module)
         ours = [m for m in root.modules() if isinstance(m, FP8Module)]
-        if not ours:
+        if not ours:  # nothing to configure below: never walk this subtree again (Megatron's own
+            self.done.update(root.modules())  # layers, e.g. the baseline, pay one set lookup a call)
+            self.done.add(module)
+            _warn_high_precision_linears(root, getattr(root, "config", None))
             return
         self.done.add(module)
         self.done.add(root)
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
-        _print0(_summary(root, plan, getattr(ours[0], "config", None)))
+        config = getattr(ours[0], "config", None)
+        _print0(_summary(root, plan, config))
+        _warn_high_precision_linears(root, config)
         _check_flag_costs(module, root)
         if _pipeline_chunks() == 1 and self.handle is not None:
             self.handle.remove()
@@ -134,6 +140,30 @@ class _FirstForward:
 
 
 _hook = _FirstForward()
+
+
+def high_precision_linears(root: nn.Module) -> list[str]:
+    """Names of megatron-core's own tensor-parallel linears in ``root``, other than the output
+    layer (high precision with Transformer Engine too): under ``--fp8-format`` they would train in
+    high precision, e.g. multi-token-prediction layers, which Megatron-LM's builder builds from its
+    own spec whatever ``--spec`` says."""
+    tp = import_megatron("megatron.core.tensor_parallel", "megatron_fp8.megatron.plugin")
+    theirs = (tp.ColumnParallelLinear, tp.RowParallelLinear)
+    return [n for n, m in root.named_modules()
+            if isinstance(m, theirs) and not isinstance(m, FP8Module) and not n.endswith("output_layer")]
+
+
+def _warn_high_precision_linears(root: nn.Module, config: Any) -> None:
+    """Never silent: with FP8 on, name the linears of ``high_precision_linears`` (rank 0, once per
+    model, with the summary)."""
+    if not getattr(config, "fp8", None) or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    names = high_precision_linears(root)
+    if names:
+        warnings.warn(f"megatron_fp8: {len(names)} linears are megatron-core's own and run in high precision under "
+                      f"--fp8-format: {', '.join(_compress(names))}. Multi-token-prediction layers are built by "
+                      f"Megatron-LM from its own spec, not --spec; turn them off (--mtp-num-layers) or accept them "
+                      f"in high precision", RuntimeWarning, stacklevel=2)
 
 
 def _check_flag_costs(module: nn.Module, root: nn.Module) -> None:

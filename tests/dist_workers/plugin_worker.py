@@ -28,6 +28,8 @@ Categories of the JSON report:
   over the TP group, as ``finalize_model_grads`` sums them) equal the model without it within
   float reordering, BF16 and tensorwise; an MoE GPT at TP=2 (megatron-core requires sequence
   parallelism there) builds and trains under FP8.
+* ``warn``: under ``config.fp8``, a model holding megatron-core's own linears (the baseline
+  spec) is named once on rank 0 at its first forward (they train in high precision); ours is not.
 * ``errors``: ``layer_spec()`` without a config, or with something that is not Megatron's
   config, and a ``MEGATRON_FP8_CONFIG`` file with an ``fp8:`` section raise, naming the fix.
 * ``moe``: an MoE GPT (4 experts, top-2, shared expert, grouped GEMM, real router: uneven
@@ -288,6 +290,26 @@ def check_sequence_parallel(ck: Checker, tp: int) -> None:
             f"marked norms with gradients {[n for n in marked if n in grads]}")
 
 
+def check_high_precision_warning(ck: Checker, tp: int) -> None:
+    """Never silent: under ``config.fp8``, megatron-core's own linears (here the baseline spec's)
+    are named at the first forward on rank 0; a model of ours gets no such warning."""
+    for name, spec in (("baseline", plugin.baseline_spec), ("ours", plugin.layer_spec)):
+        cfg = _config(tp, ("tensorwise", "hybrid"))
+        plugin.install()
+        torch.manual_seed(0)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec(SimpleNamespace(transformer=cfg)), vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _step(model)
+        said = [str(w.message) for w in seen if "run in high precision" in str(w.message)]
+        if name == "ours" or dist.get_rank() != 0:
+            ck.true("warn", not said, f"{name}, rank {dist.get_rank()}: warned {said}")
+        else:
+            ck.true("warn", len(said) == 1 and "decoder.layers.{0,1}.self_attention.linear_qkv" in said[0]
+                    and "output_layer" not in said[0], f"baseline under config.fp8: {said}")
+
+
 def check_errors(ck: Checker) -> None:
     for bad, match in ((None, "needs Megatron's model config"), (object(), "expected Megatron's model config")):
         try:
@@ -318,6 +340,7 @@ def main() -> int:
     ck.guard("build", "the baseline spec", check_baseline_spec, ck, world)
     ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
     ck.guard("sp", "sequence parallelism through the plug-in", check_sequence_parallel, ck, world)
+    ck.guard("warn", "megatron-core's own linears under config.fp8 named", check_high_precision_warning, ck, world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
