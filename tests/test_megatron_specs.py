@@ -303,7 +303,7 @@ def test_norm_is_megatrons_torch_norm_with_sequence_parallelism(normalization: s
 def test_block_spec_converts_the_final_norm_and_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``get_gpt_block_spec(config)``: megatron-core's decoder block spec for the config with our
     linears and norms, its final norm included (what a GPTModel needs for sequence parallelism);
-    MLA with ``moe_layer_freq`` other than 1 is refused by name. (One pipeline stage: the stage's
+    with MLA, every layer's attention is our MLA whatever its MLP (``moe_layer_freq``). (One pipeline stage: the stage's
     layer count and offset, which need megatron-core's process groups, are given here; the
     torchrun workers build through it with real groups.)"""
     import megatron.core.models.gpt.gpt_layer_specs as mcore_specs
@@ -326,8 +326,18 @@ def test_block_spec_converts_the_final_norm_and_every_layer(monkeypatch: pytest.
         attn = _submodules(layer.submodules.self_attention)
         assert (attn.linear_qkv, attn.linear_proj) == (ColumnParallelLinear, RowParallelLinear)
         assert layer.submodules.input_layernorm is Norm
+    # DeepSeek's first dense layer: MLA everywhere, dense MLP then MoE (moe_layer_freq a list)
     mla = MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
                                qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16, num_moe_experts=2,
-                               moe_layer_freq=2, moe_ffn_hidden_size=64, params_dtype=torch.float32)
-    with pytest.raises(ValueError, match="moe_layer_freq"):
-        get_gpt_block_spec(mla)
+                               moe_layer_freq=[0, 1], moe_ffn_hidden_size=64, moe_grouped_gemm=True,
+                               qk_layernorm=True, params_dtype=torch.float32)
+    from megatron_fp8.megatron.attention import SDPAttention
+    from megatron_fp8.megatron.mla import MLASelfAttention
+
+    block = get_gpt_block_spec(mla)
+    assert block.layer_norm is Norm and len(block.layer_specs) == 2
+    for layer, moe in zip(block.layer_specs, (False, True)):
+        attn = layer.submodules.self_attention
+        assert attn.module is MLASelfAttention and attn.submodules.core_attention is SDPAttention
+        assert attn.submodules.linear_kv_down_proj is ColumnParallelLinear and attn.submodules.q_layernorm is Norm
+        assert ("experts" in vars(_submodules(layer.submodules.mlp))) is moe

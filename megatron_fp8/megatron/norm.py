@@ -21,18 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from .specs import import_megatron
-
-
-class _Overlay:
-    """``config`` with some attributes read as other values (megatron-core's norm reads a few)."""
-
-    def __init__(self, config: Any, **values: Any) -> None:
-        self._config, self._values = config, values
-
-    def __getattr__(self, name: str) -> Any:
-        values = self.__dict__["_values"]
-        return values[name] if name in values else getattr(self.__dict__["_config"], name)
+from .specs import Overlay, import_megatron
 
 
 class Norm:
@@ -48,7 +37,7 @@ class Norm:
                 raise ValueError(f"megatron_fp8.megatron.Norm: {why} ({field}=True) needs Transformer Engine's or "
                                  f"apex's norm, which megatron_fp8's spec does not build; set {field}=False")
         sequence_parallel = bool(getattr(config, "sequence_parallel", False))
-        norm = torch_norm.WrappedTorchNorm(_Overlay(config, sequence_parallel=False, persist_layer_norm=False),
+        norm = torch_norm.WrappedTorchNorm(Overlay(config, sequence_parallel=False, persist_layer_norm=False),
                                            hidden_size, eps)
         if sequence_parallel:
             for p in norm.parameters():

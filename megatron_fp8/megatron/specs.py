@@ -338,30 +338,41 @@ def get_gpt_layer_spec(
                        core_attention=core_attention or default_core_attention())
 
 
-def get_gpt_block_spec(config: Any, vp_stage: int | None = None, *, core_attention: str | None = None) -> Any:
-    """megatron-core's local *decoder block* spec for ``config`` (dense or MoE: its layer pattern
-    and this pipeline stage's layers) with megatron_fp8's linears, grouped experts
-    (``moe_grouped_gemm``) and norms, the block's final norm included: what a ``GPTModel`` needs
-    for sequence parallelism without Transformer Engine or apex (``norm.Norm``; a layer spec
-    leaves the final norm to megatron-core's torch norm, which refuses it). Multi-latent
-    attention (``config.multi_latent_attention``): our MLA layer for every layer (``moe_layer_freq``
-    1), SDPA core. What the Megatron-LM plug-in's ``layer_spec`` returns."""
-    if getattr(config, "multi_latent_attention", False):  # our MLA layer (megatron-core's MLA spec needs TE)
-        from .norm import Norm
+class Overlay:
+    """A megatron-core config with some attributes read as other values (for megatron-core
+    builders that read only attributes: a spec function, a norm)."""
 
-        experts = getattr(config, "num_moe_experts", None)
-        if experts and getattr(config, "moe_layer_freq", 1) not in (1, None):
-            raise ValueError("get_gpt_block_spec: multi-latent attention with moe_layer_freq != 1 is not supported "
-                             "(one MLA layer spec serves every layer); set moe_layer_freq=1 (--moe-layer-freq 1)")
-        layer = get_gpt_layer_spec(experts, bool(getattr(config, "moe_grouped_gemm", False)),
-                                   bool(getattr(config, "qk_layernorm", False)), True,
-                                   getattr(config, "normalization", None), core_attention="sdpa")
-        block = import_megatron("megatron.core.transformer.transformer_block", "megatron_fp8.get_gpt_block_spec")
-        layers = block.get_num_layers_to_build(config, vp_stage=vp_stage)  # as the block builds a layer spec
-        return block.TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=Norm)
+    def __init__(self, config: Any, **values: Any) -> None:
+        self._config, self._values = config, values
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__["_values"]
+        return values[name] if name in values else getattr(self.__dict__["_config"], name)
+
+
+def get_gpt_block_spec(config: Any, vp_stage: int | None = None, *, core_attention: str | None = None) -> Any:
+    """megatron-core's local *decoder block* spec for ``config`` (its dense/MoE layer pattern,
+    ``moe_layer_freq``, and this pipeline stage's layers) with megatron_fp8's linears, grouped
+    experts (``moe_grouped_gemm``) and norms, the block's final norm included: what a
+    ``GPTModel`` needs for sequence parallelism without Transformer Engine or apex
+    (``norm.Norm``; a layer spec leaves the final norm to megatron-core's torch norm, which
+    refuses it). Multi-latent attention (``config.multi_latent_attention``; megatron-core's local
+    MLA spec needs TE): the same block, each layer's self-attention our MLA (``mla.with_mla``)
+    with the SDPA core, so DeepSeek's first dense layers (``moe_layer_freq`` a list) work too.
+    What the Megatron-LM plug-in's ``layer_spec`` returns."""
+    mla = bool(getattr(config, "multi_latent_attention", False))
     specs = import_megatron("megatron.core.models.gpt.gpt_layer_specs", "megatron_fp8.get_gpt_block_spec")
-    block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+    block = specs.get_gpt_decoder_block_spec(Overlay(config, multi_latent_attention=False) if mla else config,
+                                             use_transformer_engine=False,
                                              normalization=getattr(config, "normalization", None),
                                              qk_l2_norm=getattr(config, "qk_l2_norm", False), vp_stage=vp_stage)
     grouped = bool(getattr(config, "num_moe_experts", None)) and bool(getattr(config, "moe_grouped_gemm", False))
-    return to_fp8_spec(block, grouped_experts=grouped, core_attention=core_attention or default_core_attention())
+    attention = "sdpa" if mla else core_attention or default_core_attention()
+    block = to_fp8_spec(block, grouped_experts=grouped, core_attention=attention)
+    if mla:
+        from .attention import SDPAttention
+        from .mla import with_mla
+
+        qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+        block.layer_specs = [with_mla(layer, qk_layernorm, SDPAttention) for layer in block.layer_specs]
+    return block

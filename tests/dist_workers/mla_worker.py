@@ -18,7 +18,8 @@ Categories of the JSON report:
   DeepSeek's layout (MLA + MoE: megatron-core needs sequence parallelism for MoE with TP) trains.
 * ``deepseek`` (TP=1): MLA with grouped MoE experts and a shared expert (DeepSeek-V3's layout,
   small; kv_down 192 wide: a partial 128x128 weight block) trains under block scaling; the flags on
-  q/kv_down and the shared expert's fc1 bitwise neutral.
+  q/kv_down and the shared expert's fc1 bitwise neutral; with a first dense layer
+  (``moe_layer_freq=[0, 1]``) through the plug-in, MLA in both layers, it trains.
 
 The plug-in is imported: megatron-core's output-discarding recompute runs on ours here.
 """
@@ -55,9 +56,12 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_gr
            moe_router_load_balancing_type="none")
 
 
-def _config(tp: int, recompute: list[str] | None = None, moe: bool = False, sp: bool = False) -> MLATransformerConfig:
+def _config(tp: int, recompute: list[str] | None = None, moe: bool = False, sp: bool = False,
+            first_dense: bool = False) -> MLATransformerConfig:
     extra = dict(recompute_granularity="selective", recompute_modules=recompute) if recompute else {}
     extra.update(MOE if moe else {})
+    if first_dense:  # DeepSeek's first layers are dense: layer 0 an MLP, layer 1 MoE
+        extra["moe_layer_freq"] = [0, 1]
     return MLATransformerConfig(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=512, tensor_model_parallel_size=tp,
         sequence_parallel=sp,
@@ -154,6 +158,12 @@ def check_deepseek_shape(ck: Checker, tp: int) -> None:
     the flags on q/kv_down and the shared expert's fc1 are bitwise neutral."""
     _check_trains(ck, "deepseek", _model(tp, moe=True), tp)
     _check_flags_neutral(ck, "deepseek", tp, moe=True)
+    first_dense = _plugin_model(_config(tp, moe=True, first_dense=True))  # through the plug-in's block spec
+    kinds = [type(layer.mlp).__name__ for layer in first_dense.decoder.layers]
+    ck.true("deepseek", kinds == ["MLP", "MoELayer"] and all(type(layer.self_attention).__name__ == "MLASelfAttention"
+                                                            for layer in first_dense.decoder.layers),
+            f"moe_layer_freq [0, 1]: MLPs {kinds}")
+    _check_trains(ck, "deepseek", first_dense, tp)
 
 
 def _plugin_model(cfg: MLATransformerConfig) -> GPTModel:
