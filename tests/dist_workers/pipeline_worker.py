@@ -1,0 +1,158 @@
+"""torchrun worker (2 ranks, gloo, CPU): pipeline parallelism through megatron-core's own schedule
+with the plug-in's spec.
+
+A 4-layer GPT built through ``plugin.layer_spec`` (each stage's block spec: its two layers, the
+first stage the embedding, the last the final norm and output layer) trains one step of four
+micro-batches with megatron-core's 1F1B schedule (``get_forward_backward_func``) at PP=2, and
+the same model at PP=1 (weights copied, layer numbers offset) with its no-pipelining schedule.
+Categories of the JSON report:
+
+* ``pp``: FP8 off, tensorwise and blocks (stateless recipes: each cast depends only on its
+  tensor): every micro-batch loss (last stage) and every gradient bitwise equal to PP=1's;
+  delayed scaling: finite losses within ``DELAYED_RTOL`` of PP=1's (its histories advance per
+  outermost FP8 region, and 1F1B runs a stage's backward passes after later micro-batches'
+  forwards, so its scales may differ from PP=1's).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+from common import Checker, init_gloo, shutdown
+from mcore_worker import _cpu_shims
+
+warnings.filterwarnings("ignore")
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from megatron_fp8.audit import cpu_accommodations  # noqa: E402
+from megatron_fp8.megatron import plugin  # noqa: E402
+
+VOCAB, SEQ, MBS, MICRO, LAYERS = 512, 64, 2, 4, 4
+DELAYED_RTOL = 5e-2
+RECIPES = (None, ("tensorwise", "hybrid"), ("blockwise", "hybrid"), ("delayed", "hybrid"))
+
+
+def _cuda_to_cpu_shims() -> None:
+    """megatron-core's schedules create a few tensors on ``device="cuda"`` outright (test-only:
+    they go to the CPU here)."""
+    for name in ("zeros", "ones", "tensor", "empty"):
+        real = getattr(torch, name)
+
+        def make(*a: Any, device: Any = None, _real: Any = real, **k: Any) -> torch.Tensor:
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return _real(*a, device=device, **k)
+
+        setattr(torch, name, make)
+
+
+def _config(pp: int, fp8: tuple[str, str] | None) -> TransformerConfig:
+    kw = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
+              pipeline_model_parallel_size=pp, use_cpu_initialization=True, params_dtype=torch.float32,
+              pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+              bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+              persist_layer_norm=False, normalization="RMSNorm")
+    if fp8 is not None:
+        kw.update(fp8=fp8[1], fp8_recipe=fp8[0], fp8_amax_history_len=8, fp8_amax_compute_algo="max")
+    return TransformerConfig(**kw)
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(MICRO):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        out.append(dict(tokens=tokens, pos=torch.arange(SEQ).expand(MBS, SEQ),
+                        mask=torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril().logical_not(), labels=tokens))
+    return out
+
+
+def _global(name: str) -> str:
+    """A stage's parameter name with its layer number made global (``decoder.layers.i`` of the
+    second stage is layer ``LAYERS / 2 + i``)."""
+    parts = name.split(".")
+    if name.startswith("decoder.layers."):
+        parts[2] = str(int(parts[2]) + LAYERS // 2 * parallel_state.get_pipeline_model_parallel_rank())
+    return ".".join(parts)
+
+
+def _train_step(pp: int, fp8: tuple[str, str] | None, weights: dict[str, torch.Tensor] | None
+                ) -> tuple[GPTModel, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One training step of ``MICRO`` micro-batches under megatron-core's schedule for this PP
+    size: the model, the losses this stage saw (the last stage: one per micro-batch) and the
+    gradients (global names)."""
+    cfg = _config(pp, fp8)
+    torch.manual_seed(0)
+    model = GPTModel(config=cfg, transformer_layer_spec=plugin.layer_spec(cfg), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope",
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    if weights is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[_global(n)])
+    batches, losses = iter(_batches()), []
+
+    def forward_step(data: Any, m: GPTModel) -> tuple[torch.Tensor, Any]:
+        b = next(data)
+        out = m(b["tokens"], b["pos"], b["mask"], labels=b["labels"])
+
+        def loss_func(o: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = o.float().mean()
+            losses.append(loss.detach())
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
+                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+    grads = {_global(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return model, losses, grads
+
+
+def check_pipeline(ck: Checker, world: int) -> None:
+    for fp8 in RECIPES:
+        name = "FP8 off" if fp8 is None else "/".join(fp8)
+        parallel_state.initialize_model_parallel()
+        cpu_accommodations()
+        full, ref_losses, ref_grads = _train_step(1, fp8, None)
+        weights = {n: p.detach().clone() for n, p in full.named_parameters()}
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+        cpu_accommodations()
+        stage, losses, grads = _train_step(world, fp8, weights)
+        last = parallel_state.is_pipeline_last_stage()
+        ck.true("pp", len(grads) == len(list(stage.parameters())) and (len(losses) == MICRO) == last,
+                f"{name}: {len(grads)} gradients, {len(losses)} losses on stage "
+                f"{parallel_state.get_pipeline_model_parallel_rank()}")
+        stateless = fp8 is None or fp8[0] != "delayed"
+        if last:
+            for i, (got, want) in enumerate(zip(losses, ref_losses)):
+                if stateless:
+                    ck.bitwise("pp", f"{name} loss {i}", got, want)
+                else:
+                    ck.close("pp", f"{name} loss {i}", got, want, DELAYED_RTOL)
+        if stateless:
+            for n, g in grads.items():
+                ck.bitwise("pp", f"{name} grad {n}", g, ref_grads.get(n))
+        parallel_state.destroy_model_parallel()
+
+
+def main() -> int:
+    rank, world = init_gloo()
+    _cpu_shims()
+    _cuda_to_cpu_shims()
+    ck = Checker(rank)
+    ck.guard("pp", "pipeline parallelism through megatron-core's schedule", check_pipeline, ck, world)
+    code = ck.report()
+    shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
