@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,12 +39,14 @@ def run_workers(script: str, nproc: int, *args: str, timeout: float = 600.0) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(WORKERS, script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        code, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code, out = proc.returncode, stdout + stderr
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop(proc)
         code = -1
-        out = f"TIMEOUT after {timeout}s\n" + _text(e.stdout) + _text(e.stderr)
+        out = f"TIMEOUT after {timeout}s\n" + _text(stdout) + _text(stderr)
     report = None
     for line in out.splitlines():
         if line.startswith(REPORT_TAG):
@@ -55,6 +59,40 @@ def worker_report(script: str, *args: str, nproc: int = 2, timeout: float = 300.
     with the workers' output if they did not finish or report (use it in a module-scoped fixture:
     one launch per test module)."""
     return run_workers(script, nproc, *args, timeout=timeout).fail_if_broken()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``): torchrun starts each worker in a session of
+    its own, out of reach of a signal to torchrun's process group."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """End a timed-out torchrun and its workers (which would otherwise keep spinning in a
+    collective and slow every later test): SIGTERM, which torchrun passes on to its workers,
+    then SIGKILL to whatever is left."""
+    workers = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        for pid in [*workers, *_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return proc.communicate()
 
 
 def _text(b: bytes | str | None) -> str:

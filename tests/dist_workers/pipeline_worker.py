@@ -7,11 +7,15 @@ micro-batches with megatron-core's 1F1B schedule (``get_forward_backward_func``)
 the same model at PP=1 (weights copied, layer numbers offset) with its no-pipelining schedule.
 Categories of the JSON report:
 
-* ``pp``: FP8 off, tensorwise and blocks (stateless recipes: each cast depends only on its
+* ``pp``: at PP=2, and at PP=2 with 2 virtual stages a rank (the interleaved schedule, one layer a
+  chunk), FP8 off, tensorwise and blocks (stateless recipes: each cast depends only on its
   tensor): every micro-batch loss (last stage) and every gradient bitwise equal to PP=1's;
   delayed scaling: finite losses within ``DELAYED_RTOL`` of PP=1's (its histories advance per
   outermost FP8 region, and 1F1B runs a stage's backward passes after later micro-batches'
   forwards, so its scales may differ from PP=1's).
+
+``batch_p2p_comm`` is off: with it on, the interleaved schedule's gradients came out wrong under
+gloo on the CPU with megatron-core's own local spec too (not our layers; GPUs run NCCL).
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def _cuda_to_cpu_shims() -> None:
         setattr(torch, name, make)
 
 
-def _config(pp: int, fp8: tuple[str, str] | None) -> TransformerConfig:
+def _config(pp: int, fp8: tuple[str, str] | None, vp: int | None = None) -> TransformerConfig:
     kw = dict(num_layers=LAYERS, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
-              pipeline_model_parallel_size=pp, use_cpu_initialization=True, params_dtype=torch.float32,
+              pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp, batch_p2p_comm=False,
+              use_cpu_initialization=True, params_dtype=torch.float32,
               pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
               bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
               persist_layer_norm=False, normalization="RMSNorm")
@@ -73,30 +78,41 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _global(name: str) -> str:
-    """A stage's parameter name with its layer number made global (``decoder.layers.i`` of the
-    second stage is layer ``LAYERS / 2 + i``)."""
+def _global(name: str, offset: int) -> str:
+    """A chunk's parameter name with its layer number made global (``decoder.layers.i`` of a
+    chunk whose first layer is ``offset`` is layer ``offset + i``)."""
     parts = name.split(".")
     if name.startswith("decoder.layers."):
-        parts[2] = str(int(parts[2]) + LAYERS // 2 * parallel_state.get_pipeline_model_parallel_rank())
+        parts[2] = str(int(parts[2]) + offset)
     return ".".join(parts)
 
 
-def _train_step(pp: int, fp8: tuple[str, str] | None, weights: dict[str, torch.Tensor] | None
-                ) -> tuple[GPTModel, list[torch.Tensor], dict[str, torch.Tensor]]:
-    """One training step of ``MICRO`` micro-batches under megatron-core's schedule for this PP
-    size: the model, the losses this stage saw (the last stage: one per micro-batch) and the
-    gradients (global names)."""
-    cfg = _config(pp, fp8)
+def _chunk(cfg: TransformerConfig, vp_stage: int | None) -> tuple[GPTModel, int]:
+    """This rank's model chunk (``vp_stage``: its virtual stage) and its first layer's number."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    kw = {} if vp_stage is None else {"vp_stage": vp_stage}
     torch.manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=plugin.layer_spec(cfg), vocab_size=VOCAB,
-                     max_sequence_length=SEQ, position_embedding_type="rope",
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+    model = GPTModel(config=cfg, transformer_layer_spec=plugin.layer_spec(cfg, vp_stage=vp_stage), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope", pre_process=first, post_process=last,
+                     **kw)
+    return model, get_transformer_layer_offset(cfg, vp_stage=vp_stage)
+
+
+def _train_step(pp: int, fp8: tuple[str, str] | None, weights: dict[str, torch.Tensor] | None, vp: int | None = None
+                ) -> tuple[list[GPTModel], list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One training step of ``MICRO`` micro-batches under megatron-core's schedule for this PP
+    size (``vp``: virtual stages, the interleaved schedule): this rank's chunks, the losses it saw
+    (the last stage: one per micro-batch) and the gradients (global names)."""
+    cfg = _config(pp, fp8, vp)
+    chunks = [_chunk(cfg, v) for v in (range(vp) if vp else [None])]
     if weights is not None:
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(weights[_global(n)])
+            for model, offset in chunks:
+                for n, p in model.named_parameters():
+                    p.copy_(weights[_global(n, offset)])
     batches, losses = iter(_batches()), []
 
     def forward_step(data: Any, m: GPTModel) -> tuple[torch.Tensor, Any]:
@@ -109,26 +125,31 @@ def _train_step(pp: int, fp8: tuple[str, str] | None, weights: dict[str, torch.T
             return loss, {"loss": loss.detach()}
         return out, loss_func
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
+    models = [m for m, _ in chunks]
+    data = [iter(_batches()) for _ in models] if vp else batches  # one iterator a chunk: each reads its batches
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=models,
                                 num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
-    grads = {_global(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return model, losses, grads
+    grads = {_global(n, offset): p.grad.clone() for m, offset in chunks for n, p in m.named_parameters()
+             if p.grad is not None}
+    return models, losses, grads
 
 
-def check_pipeline(ck: Checker, world: int) -> None:
+def check_pipeline(ck: Checker, world: int, vp: int | None) -> None:
     for fp8 in RECIPES:
-        name = "FP8 off" if fp8 is None else "/".join(fp8)
+        name = ("FP8 off" if fp8 is None else "/".join(fp8)) + (f", {vp} virtual stages" if vp else "")
         parallel_state.initialize_model_parallel()
         cpu_accommodations()
-        full, ref_losses, ref_grads = _train_step(1, fp8, None)
+        (full,), ref_losses, ref_grads = _train_step(1, fp8, None)
         weights = {n: p.detach().clone() for n, p in full.named_parameters()}
         parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world,
+                                                 virtual_pipeline_model_parallel_size=vp)
         cpu_accommodations()
-        stage, losses, grads = _train_step(world, fp8, weights)
+        chunks, losses, grads = _train_step(world, fp8, weights, vp)
         last = parallel_state.is_pipeline_last_stage()
-        ck.true("pp", len(grads) == len(list(stage.parameters())) and (len(losses) == MICRO) == last,
-                f"{name}: {len(grads)} gradients, {len(losses)} losses on stage "
+        params = sum(len(list(m.parameters())) for m in chunks)
+        ck.true("pp", len(grads) == params and (len(losses) == MICRO) == last,
+                f"{name}: {len(grads)} gradients of {params}, {len(losses)} losses on stage "
                 f"{parallel_state.get_pipeline_model_parallel_rank()}")
         stateless = fp8 is None or fp8[0] != "delayed"
         if last:
@@ -148,7 +169,8 @@ def main() -> int:
     _cpu_shims()
     _cuda_to_cpu_shims()
     ck = Checker(rank)
-    ck.guard("pp", "pipeline parallelism through megatron-core's schedule", check_pipeline, ck, world)
+    ck.guard("pp", "pipeline parallelism through megatron-core's schedule", check_pipeline, ck, world, None)
+    ck.guard("pp", "interleaved (virtual) pipeline", check_pipeline, ck, world, 2)
     code = ck.report()
     shutdown()
     return code
