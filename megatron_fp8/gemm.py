@@ -254,10 +254,9 @@ def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Ten
             [_block_scale_layout(b)], [kinds[b.layout].value], none, None, dtype, out=into,
         )
 
-    if cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):  # opt-in: MEGATRON_FP8_BLOCK_GEMM
-        y = out if out is not None else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
-        if cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
-            return y
+    y = _cublaslt(a, b, out_dtype, out)  # opt-in for two E4M3 operands: MEGATRON_FP8_BLOCK_GEMM
+    if y is not None:
+        return y
     dtype = _BLOCK_OUT_DTYPES.get(out_dtype)
     if dtype is None:
         try:
@@ -338,11 +337,9 @@ def _hybrid_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: b
     refuses the E5M2 operand, cuBLASLt does not) or else on our Triton GEMM: (the path, the
     output); None where neither serves the shape (the caller emulates). ``MEGATRON_FP8_HYBRID_GEMM``
     picks (``auto``, ``cublaslt``, ``triton``)."""
-    if cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
-        aligned = out is not None and out.data_ptr() % cublaslt.ALIGN == 0
-        y = out if aligned else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
-        if cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
-            return "cublaslt", y if aligned else _into(out, y)
+    y = _cublaslt(a, b, out_dtype, out)
+    if y is not None:
+        return "cublaslt", y
     if cublaslt.choice() == "cublaslt":
         raise RuntimeError(f"{name} {tuple(a.shape)} x {tuple(b.shape)} ({a.layout.value} {a.data.dtype} x "
                            f"{b.layout.value} {b.data.dtype} -> {out_dtype}): cuBLASLt declined it (no kernel, a "
@@ -351,6 +348,19 @@ def _hybrid_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: b
     if _triton_serves(a, b):
         return "triton", _into(out, _triton_blocks(a, b, out_dtype, fast_accum))
     return None
+
+
+def _cublaslt(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``a @ b.T`` on cuBLASLt called directly (``kernels.cublaslt``) where it serves the GEMM,
+    written into ``out`` where given (computed aside and copied in when ``out`` is not 256-byte
+    aligned); None where it does not serve it (nothing launched)."""
+    if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+        return None
+    aligned = out is not None and out.data_ptr() % cublaslt.ALIGN == 0
+    y = out if aligned else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
+    if not cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
+        return None
+    return y if aligned or out is None else _into(out, y)
 
 
 def _triton_serves(a: Operand, b: Operand) -> bool:
