@@ -39,33 +39,33 @@ import torch
 from probe_gemm_streams import SHAPES, Pair, gemm_sets, on_streams
 
 from megatron_fp8.gemm import _block_scale_layout
+
+# the structs and enum values shared with the package's direct cuBLASLt call (kernels/cublaslt.py)
+from megatron_fp8.kernels.cublaslt import (
+    COMPUTE_32F,
+    DESC_A_SCALE_MODE,
+    DESC_A_SCALE_POINTER,
+    DESC_B_SCALE_MODE,
+    DESC_B_SCALE_POINTER,
+    DESC_TRANSA,
+    DESC_TRANSB,
+    DTYPES,
+    OP_N,
+    OP_T,
+    PREF_MAX_WORKSPACE_BYTES,
+    R_32F,
+    Algo,
+    Heuristic,
+)
 from megatron_fp8.quant.formats import ScaleLayout
 
-# cublasLt.h / library_types.h values
-COMPUTE_32F, R_32F, R_16BF = 68, 0, 14
-FP8_TYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29}
-OP_N, OP_T = 0, 1
-DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
-DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
-# SCALAR_32F, VEC128_32F, BLK128x128_32F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
-
-SCALE_MODES = {ScaleLayout.TENSOR: 0, ScaleLayout.BLOCK_1x128: 4, ScaleLayout.BLOCK_128x128: 5}
-PREF_MAX_WORKSPACE_BYTES = 1
+SCALE_MODES = {ScaleLayout.TENSOR: 0, ScaleLayout.BLOCK_1x128: 4, ScaleLayout.BLOCK_128x128: 5}  # + SCALAR_32F
 CAP_SWIZZLING, CAP_TILE_IDS, CAP_CUSTOM_OPTION_MAX, CAP_STAGES_IDS = 2, 6, 7, 13
 CFG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "swizzle": (4, 4), "custom": (5, 4),
        "stages": (6, 4), "inner": (7, 2), "cluster": (8, 2)}
 CLUSTERS = range(0, 17)  # cublasLtClusterShape_t values; AlgoCheck refuses the ones an algorithm lacks
-
-
-class Algo(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
-
-
-class Heuristic(ctypes.Structure):
-    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 def _library() -> ctypes.CDLL:
@@ -154,8 +154,8 @@ class Problem:
             lt.set_desc(desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(sa.data_ptr()))
             lt.set_desc(desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(sb.data_ptr()))
             descs.append(desc)
-        types = (FP8_TYPES[b0.data.dtype], FP8_TYPES[a0.data.dtype])
-        lay = (lt.layout(types[0], k, n, k), lt.layout(types[1], k, m, k), lt.layout(R_16BF, n, m, n))
+        types = (DTYPES[b0.data.dtype], DTYPES[a0.data.dtype])
+        lay = (lt.layout(types[0], k, n, k), lt.layout(types[1], k, m, k), lt.layout(DTYPES[torch.bfloat16], n, m, n))
         return cls(lt, pairs, descs, lay, keep, types)
 
     def heuristics(self, count: int = 64) -> list[Heuristic]:
