@@ -251,6 +251,43 @@ def test_linear_extra_state_roundtrip() -> None:
         assert torch.equal(other(x), y_a)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_layer_freed_without_the_cyclic_gc(recipe, grouped: bool) -> None:
+    """A dropped layer (after a training step, its FP8 state restored from a checkpoint too) is
+    freed at once by reference counting: no reference cycle keeps its weights, FP8 copies and
+    quantizers alive until Python's cyclic collector happens to run (on a GPU, memory that
+    ``max_memory_allocated`` would count at some later, arbitrary point)."""
+    import gc
+    import weakref
+
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GroupedLinear(2, 256, 128, bias=True) if grouped else mf.Linear(256, 128)
+
+    def run(layer: torch.nn.Module) -> None:
+        x = torch.randn(256, 256, requires_grad=True)
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, [128, 128]) if grouped else layer(x)
+        y.sum().backward()
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        layer = make()
+        run(layer)
+        fresh = make()
+        fresh.load_state_dict(layer.state_dict())
+        run(fresh)
+        refs = [weakref.ref(layer), weakref.ref(layer.weight if not grouped else layer.weight0), weakref.ref(fresh)]
+        del layer, fresh
+        assert [r() is None for r in refs] == [True] * 3
+    finally:
+        if was:
+            gc.enable()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_off_without_bias_is_nn_linears_op(dtype: torch.dtype) -> None:
     """FP8 off on one device, no bias, weight in the input's dtype: the layer runs nn.Linear's

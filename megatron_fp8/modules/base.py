@@ -41,6 +41,13 @@ def default_init(w: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(w, a=math.sqrt(5))
 
 
+def _before_load(module: FP8Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Checkpoints without FP8 state load (``nn.Linear``'s, or Megatron's own layers, which write
+    ``_extra_state=None``); remember the key for errors about the state."""
+    module._extra_state_key = f"{prefix}_extra_state"
+    state_dict.setdefault(module._extra_state_key, None)
+
+
 class FP8Module(nn.Module):
     """Base of every FP8 layer: recipe-bound quantizers and the cached FP8 weights."""
 
@@ -53,13 +60,9 @@ class FP8Module(nn.Module):
         self.is_first_microbatch: bool | None = None  # Megatron's attribute (module docstring)
         self._extra_state_key = "_extra_state"  # where load_state_dict found our FP8 state (errors name it)
         self._fp8_mode: Any = ()  # the recipe of the last forward (None: FP8 off); () before the first
-        self._register_load_state_dict_pre_hook(self._before_load)
-
-    def _before_load(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        """Checkpoints without FP8 state load (``nn.Linear``'s, or Megatron's own layers, which
-        write ``_extra_state=None``); remember the key for errors about the state."""
-        self._extra_state_key = f"{prefix}_extra_state"
-        state_dict.setdefault(self._extra_state_key, None)
+        # a plain function, given the module: a bound method kept in the module's own hook dict
+        # would make every layer a reference cycle, its GPU memory freed only by the cyclic GC
+        self.register_load_state_dict_pre_hook(_before_load)
 
     def microbatch_flag(self, is_first_microbatch: bool | None) -> bool | None:
         """The forward's ``is_first_microbatch``: the argument where given, else the attribute,
