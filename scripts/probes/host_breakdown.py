@@ -1,0 +1,79 @@
+"""Probe: where the host time of one eager ``Linear`` fwd+bwd goes, per recipe, at the host-cost
+table's shape (T=256, K=N=2048, BF16), beside BF16 ``nn.Linear`` (``bf16``).
+
+``--tool torch`` (default): torch.profiler, CPU activity: self CPU time per aten op, per CUDA
+runtime/driver call and per autograd function (its own Python). ``--tool cprofile``: the
+Python functions by own time. Found on the H200 (docs/benchmarks.md run AD): our autograd
+function's own Python ~490 us a step, torch's ``_scaled_mm`` ~75 us a call.
+
+    python scripts/probes/host_breakdown.py [bf16 current blockwise delayed] [--tool torch|cprofile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import megatron_fp8 as mf
+from megatron_fp8.recipe import PRESETS
+
+
+def make_step(name: str, device: str) -> Callable[[], None]:
+    """One fwd+bwd of a fresh layer: ``nn.Linear`` for ``bf16``, else ours under preset ``name``."""
+    if name == "bf16":
+        layer: torch.nn.Module = torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device=device)
+    else:
+        layer = mf.Linear(2048, 2048, bias=False, params_dtype=torch.bfloat16, device=device)
+    recipe = PRESETS.get(name)
+    x = torch.randn(256, 2048, dtype=torch.bfloat16, device=device, requires_grad=True)
+    dy = torch.randn(256, 2048, dtype=torch.bfloat16, device=device)
+
+    def step() -> None:
+        if recipe is None:
+            y = layer(x)
+        else:
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x)
+        y.backward(dy)
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipes", nargs="*", default=["bf16", "current", "blockwise", "delayed"])
+    ap.add_argument("--tool", choices=("torch", "cprofile"), default="torch")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for name in args.recipes:
+        step = make_step(name, device)
+        for _ in range(10):
+            step()
+        sync()
+        print(f"===== {name}: {args.steps} steps ({args.tool})")
+        if args.tool == "cprofile":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.steps):
+                step()
+            sync()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(args.rows)
+            continue
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+            sync()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
