@@ -133,8 +133,9 @@ def test_hybrid_choice_triton_and_unaligned_out(monkeypatch: pytest.MonkeyPatch)
     aligned still gets cuBLASLt's result (computed aside, copied in)."""
     a, b = _operands(HYBRID, "dgrad")
     ref = core.gemm(a, b, torch.bfloat16)
-    buf = torch.empty(M * N + 8, device="cuda", dtype=torch.bfloat16)
-    out = buf[8:].view(M, N)  # 16 bytes past an aligned start
+    rows, cols = ref.shape
+    buf = torch.empty(rows * cols + 8, device="cuda", dtype=torch.bfloat16)
+    out = buf[8:].view(rows, cols)  # 16 bytes past an aligned start
     with core.record_gemms() as calls:
         core.gemm(a, b, torch.bfloat16, name="dgrad", out=out)
     assert calls[0].name == "dgrad[cublaslt]" and torch.equal(out, ref)
@@ -145,10 +146,9 @@ def test_hybrid_choice_triton_and_unaligned_out(monkeypatch: pytest.MonkeyPatch)
 
 
 @SM90
-def test_hybrid_linear_native_flag_bitwise_and_graphed() -> None:
+def test_hybrid_linear_native_and_flag_bitwise() -> None:
     """A HYBRID block ``Linear``: fprop on torch's cuBLAS, dgrad and wgrad on cuBLASLt directly,
-    ``save_original_input`` on == off bitwise, and a captured step's replay equal to an eager
-    step of the same layer on the same data."""
+    ``save_original_input`` on == off bitwise."""
     x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
     results = []
@@ -166,6 +166,36 @@ def test_hybrid_linear_native_flag_bitwise_and_graphed() -> None:
     for one, two in zip(*results):
         assert torch.equal(one, two)
 
+
+def _graphed_matmul() -> None:
+    """One direct cuBLASLt GEMM (E5M2 x E4M3) captured on the main thread, no autograd: the replay
+    equals the eager call. (Run in a fresh process by the test below.)"""
+    a, b = _operands(HYBRID, "dgrad")
+    sa, sb = core._block_scale_layout(a), core._block_scale_layout(b)
+    eager = torch.empty(a.shape[0], b.shape[0], device="cuda", dtype=torch.bfloat16)
+    assert cublaslt.matmul(a.data, sa, a.layout, b.data, sb, b.layout, eager)
+    out = torch.full_like(eager, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert cublaslt.matmul(a.data, sa, a.layout, b.data, sb, b.layout, out)
+    torch.cuda.current_stream().wait_stream(side)
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        cublaslt.matmul(a.data, sa, a.layout, b.data, sb, b.layout, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def _graphed_hybrid_linear() -> None:
+    """A HYBRID ``Linear``'s whole step (forward, backward) captured in one graph; its replay equals
+    an eager step of the same layer on the same data. (Run in a fresh process by the test below,
+    under the ``MEGATRON_FP8_HYBRID_GEMM`` it sets.)"""
+    x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
+    layer = mf.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
     xs, dys = x.clone().requires_grad_(), dy.clone()
 
     def step() -> list[torch.Tensor]:
@@ -182,6 +212,21 @@ def test_hybrid_linear_native_flag_bitwise_and_graphed() -> None:
     eager = step()
     for one, two in zip(graphed, eager):
         assert torch.equal(one, two)
+
+
+@SM90
+@pytest.mark.parametrize("case", ["matmul", "linear-cublaslt", "linear-triton"])
+def test_hybrid_in_cuda_graphs(case: str) -> None:
+    """Captured HYBRID GEMMs replay as they run eagerly: one direct cuBLASLt GEMM alone, and a
+    ``Linear``'s whole step with the E5M2 GEMMs on cuBLASLt or on Triton. Each case in a fresh
+    process: a failed capture leaves the process's CUDA state (its RNG among it) unusable, and
+    the cases tell apart where a failure lies."""
+    fn = "_graphed_matmul" if case == "matmul" else "_graphed_hybrid_linear"
+    env = {**os.environ, "MEGATRON_FP8_HYBRID_GEMM": case.split("-")[-1] if case != "matmul" else "auto"}
+    code = f"import torch, tests.test_cublaslt_gpu as t\ntorch.manual_seed(0)\nt.{fn}()\nprint('ok')"
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
 
 
 @SM90

@@ -180,3 +180,34 @@ def test_current_scaling_default_takes_cuda_only_in_capture(monkeypatch) -> None
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(captured, eager)
+
+
+def test_builds_and_launches_on_a_fresh_thread() -> None:
+    """The cast built and launched first on a thread whose only CUDA work is this cast (as the
+    autograd engine's backward thread when a backward starts with it): the driver API needs a
+    current context there (``cuda_cast.ensure_context``). A fresh process: builds are cached."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import os, threading, warnings, torch
+from megatron_fp8.kernels import cuda_cast
+from megatron_fp8.kernels.triton_cast import cast_tiles
+from megatron_fp8.testing import same_bits
+warnings.simplefilter("error")  # a failed build warns
+x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)  # the main thread's CUDA work
+got = {}
+def work():
+    got["out"] = cast_tiles(x, torch.float8_e5m2, "1x128", True, True)
+    got["built"] = cuda_cast.prebuild("1x128", torch.float8_e5m2, x.device) is not None
+t = threading.Thread(target=work); t.start(); t.join()
+torch.cuda.synchronize()
+os.environ["MEGATRON_FP8_CUDA_CAST"] = "0"
+want = cast_tiles(x, torch.float8_e5m2, "1x128", True, True)
+assert got["built"] and same_bits([*got["out"][0], *got["out"][1]], [*want[0], *want[1]])
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]

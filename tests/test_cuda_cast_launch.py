@@ -38,3 +38,43 @@ def test_argv_points_at_each_value() -> None:
     got = [ctypes.c_void_p.from_address(argv[i]).value for i in range(7)]
     got += [ctypes.c_int.from_address(argv[i]).value for i in range(7, 10)]
     assert got == [*ptrs, 16384, 4096, 8]
+
+
+class _FakeDriver:
+    """The four driver calls ``ensure_context`` makes, recorded; ``current`` is the thread's context."""
+
+    def __init__(self, current: int) -> None:
+        self.current, self.calls = current, []
+
+    def cuCtxGetCurrent(self, ref) -> int:  # noqa: N802 - the driver's names
+        self.calls.append("get")
+        ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p))[0] = self.current or None
+        return 0
+
+    def cuDeviceGet(self, ref, ordinal) -> int:  # noqa: N802
+        self.calls.append(f"device {ordinal.value}")
+        ctypes.cast(ref, ctypes.POINTER(ctypes.c_int))[0] = ordinal.value
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, ref, dev) -> int:  # noqa: N802
+        self.calls.append("retain")
+        ctypes.cast(ref, ctypes.POINTER(ctypes.c_void_p))[0] = 0xC0
+        return 0
+
+    def cuCtxSetCurrent(self, ctx) -> int:  # noqa: N802
+        self.calls.append(f"set {ctx.value:#x}")
+        self.current = ctx.value
+        return 0
+
+
+def test_ensure_context_sets_the_primary_context_only_where_none_is(monkeypatch) -> None:
+    """A thread with no current context (the autograd engine's, before any runtime launch) gets the
+    device's primary context before the driver API loads or launches the cast; a thread that has
+    one is left alone."""
+    import torch
+
+    for current, expected in ((0, ["get", "device 1", "retain", "set 0xc0"]), (0xAB, ["get"])):
+        fake = _FakeDriver(current)
+        monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda fake=fake: fake)
+        cuda_cast.ensure_context(1)
+        assert fake.calls == expected

@@ -93,12 +93,34 @@ def _kernel(mode: str, e5m2: bool, device: int) -> _Kernel | None:
                "-DSTREAM=1", f"-DNOCLAMP={int(not _CLAMP)}"]
     try:
         with torch.cuda.device(device):
+            ensure_context(device)
             built = torch.cuda._compile_kernel(_SRC.read_text(), "cast_tile", nvcc_options=options)
         return _Kernel(built, built.func, device)
     except Exception as exc:  # noqa: BLE001 - any build failure means the Triton cast runs
         warnings.warn(f"megatron_fp8: the CUDA {mode} cast could not be built ({type(exc).__name__}: {exc}); "
                       "the Triton cast runs instead (MEGATRON_FP8_CUDA_CAST=0 silences this)", stacklevel=2)
         return None
+
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def ensure_context(device: int) -> None:
+    """Make ``device``'s primary context current on this thread if no context is. The driver API
+    (module loading, ``cuLaunchKernel``) needs one, and a thread whose CUDA work so far went
+    through torch may have none: torch does not set the device when it already reads as the
+    current one, and the runtime makes its context current only at its first launch. The
+    autograd engine's backward thread is such a thread when a backward's first CUDA work is
+    this cast (seen on the H200 as "invalid device context", docs/benchmarks.md run AD)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    ctx = ctypes.c_void_p()
+    torch.cuda._utils._check_cuda(lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    torch.cuda._utils._check_cuda(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device)))
+    torch.cuda._utils._check_cuda(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))  # kept: torch holds it too
+    torch.cuda._utils._check_cuda(lib.cuCtxSetCurrent(ctx))
 
 
 class _Kernel(NamedTuple):
@@ -144,6 +166,9 @@ def _launch(kernel: _Kernel, grid: tuple[int, int], ptrs: tuple[int, ...], m: in
     here = torch.cuda.current_device() == kernel.device
     with contextlib.nullcontext() if here else torch.cuda.device(kernel.device):
         rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
+        if rc == _INVALID_CONTEXT:  # a thread with no current context yet (ensure_context)
+            ensure_context(kernel.device)
+            rc = _driver_launch()(kernel.func, grid[0], grid[1], 1, 256, 1, 1, 0, stream, argv, None)
     if rc:
         torch.cuda._utils._check_cuda(rc)
 
