@@ -234,12 +234,23 @@ def test_unstash_realigns_copied_tensorwise_scales() -> None:
             ops[bad]
 
 
-def test_fp8_off_equals_separate_linears() -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["grouped_mm", "loop"])
+def test_fp8_off_equals_separate_linears(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 off: with the experts' weights in one buffer (as built) the three GEMMs are one
+    ``torch._grouped_mm`` each; with weights apart (a ``.to()`` or DDP may re-allocate them)
+    an expert loop. Either way bit for bit separate ``Linear``s on the CPU."""
+    calls: list[int] = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     splits = [100, 0, 28]
     grouped, refs = _layers(3, True, False)
+    if not packed:
+        for w in grouped.weights:
+            w.data = w.data.clone()
     x, dy = _data(splits, 0)
     x.requires_grad_()
     grouped(x, splits).backward(dy)
+    assert len(calls) == (3 if packed else 0)
     for i, (r, xi, di) in enumerate(zip(refs, x.split(splits), dy.split(splits))):
         xr = xi.detach().clone().requires_grad_()
         yr = r(xr)

@@ -237,11 +237,12 @@ def block_segments_fused(x: torch.Tensor, block: int, pow2: bool, eps: float) ->
 
 _INTS_KEPT = 16  # distinct int lists whose device copies are kept (a step's layers share them)
 _Ints = tuple[torch.Tensor, torch.Tensor]  # (the pinned host copy, the device tensor)
-_ints_cache: dict[tuple[tuple[int, ...], torch.device], _Ints] = {}
+_IntsKey = tuple[tuple[int, ...], torch.device, torch.dtype]
+_ints_cache: dict[_IntsKey, _Ints] = {}
 # Copies a CUDA graph captured: kept for the life of the process, since a graph may be replayed
 # at any time (an evicted tensor would be freed under it). Those a capture created itself are
 # only written when the graph replays, so no one else is handed them.
-_ints_held: dict[tuple[tuple[int, ...], torch.device], _Ints] = {}
+_ints_held: dict[_IntsKey, _Ints] = {}
 _ints_captured: list[_Ints] = []
 
 
@@ -251,8 +252,8 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``; read-only, shared.
+def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` as a ``dtype`` (int64) tensor on ``device``; read-only, shared.
 
     Copied from pinned memory without a sync and kept for the last few lists: the experts'
     token counts of one step are used several times (x in forward, dy in backward, fc1 and fc2),
@@ -260,14 +261,14 @@ def device_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     allocation each time (the GPU still holds the previous ones). Copies used while a CUDA graph
     is captured are kept for good, with their pinned source (``_ints_held``); one made during a
     capture is a node of the graph."""
-    key = (tuple(values), torch.device(device))
+    key = (tuple(values), torch.device(device), dtype)
     held = _ints_held.get(key)
     if held is not None:
         return held[1]
     entry = _ints_cache.pop(key, None)
     in_capture = capturing(key[1])
     if entry is None:
-        host = torch.tensor(key[0], dtype=torch.int64, pin_memory=key[1].type == "cuda")
+        host = torch.tensor(key[0], dtype=dtype, pin_memory=key[1].type == "cuda")
         entry = (host, host.to(key[1], non_blocking=True))
         if in_capture:  # its copy is a node of the graph: valid only once the graph has replayed
             _ints_captured.append(entry)
