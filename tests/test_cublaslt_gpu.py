@@ -83,11 +83,32 @@ SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
 @pytest.mark.parametrize("gemm_name", ["fprop", "dgrad", "wgrad"])
 def test_direct_call_agrees_with_torch_for_e4m3(gemm_name: str) -> None:
     """Operand order, scale modes and layouts as torch hands them to cuBLASLt: our call agrees
-    with torch's within accumulation order (torch offers cuBLASLt a workspace, we do not, so the
-    heuristic may pick another kernel here; a misplaced scale gives errors of order 1)."""
+    with torch's within accumulation order (both offer cuBLASLt a workspace of the same size, so
+    the heuristic should answer alike; bitwise only asserted below; a misplaced scale gives
+    errors of order 1)."""
     equal, rel = _direct_vs_torch(gemm_name)
     print(f"{gemm_name}: direct vs torch {'bitwise equal' if equal else f'rel diff {rel:.2e}'}")
     assert equal or rel < 2e-3
+
+
+@SM90
+def test_workspace_per_stream_kept() -> None:
+    """cuBLASLt gets torch's workspace size, one buffer per stream, made once and kept."""
+    a, b = _operands(HYBRID, "dgrad")
+    sa, sb = core._block_scale_layout(a), core._block_scale_layout(b)
+    outs = []
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                out = torch.empty(a.shape[0], b.shape[0], device="cuda", dtype=torch.bfloat16)
+                assert cublaslt.matmul(a.data, sa, a.layout, b.data, sb, b.layout, out)
+                outs.append(out)
+        torch.cuda.current_stream().wait_stream(stream)
+    dev = torch.cuda.current_device()
+    mine = {k: v for k, v in cublaslt._workspaces.items() if k[0] == dev}
+    assert len(mine) >= 2 and all(v.numel() == cublaslt.workspace_bytes(dev) == 32 * 2**20 for v in mine.values())
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 @SM90

@@ -78,3 +78,4 @@ def test_ensure_context_sets_the_primary_context_only_where_none_is(monkeypatch)
         monkeypatch.setattr(torch.cuda._utils, "_get_gpu_runtime_library", lambda fake=fake: fake)
         cuda_cast.ensure_context(1)
         assert fake.calls == expected
+

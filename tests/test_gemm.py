@@ -237,3 +237,20 @@ def test_cublaslt_structs_match_the_c_abi() -> None:
 
     assert ctypes.sizeof(cublaslt.Algo) == 64
     assert ctypes.sizeof(cublaslt.Heuristic) == 96 and cublaslt.Heuristic.state.offset == 72
+
+
+def test_cublaslt_workspace_size_reads_torchs_variable(monkeypatch) -> None:
+    """The direct cuBLASLt call offers the workspace torch's own ``scaled_mm`` offers:
+    ``CUBLASLT_WORKSPACE_SIZE`` in KiB (0: none); anything else is an error naming it."""
+    from megatron_fp8.kernels import cublaslt
+
+    for value, want in (("0", 0), ("64", 65536), ("32768", 32 * 2**20)):
+        monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", value)
+        cublaslt.workspace_bytes.cache_clear()
+        assert cublaslt.workspace_bytes(0) == want
+    for bad in ("32M", "-1"):
+        monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", bad)
+        cublaslt.workspace_bytes.cache_clear()
+        with pytest.raises(ValueError, match="CUBLASLT_WORKSPACE_SIZE"):
+            cublaslt.workspace_bytes(0)
+    cublaslt.workspace_bytes.cache_clear()
