@@ -132,16 +132,17 @@ def test_one_nonfinite_value_surfaces_where_high_precision_does(name: str, fmt: 
     assert same_bits(runs[0], runs[1])  # save_original_input changes only what is saved
 
 
-def _relative_errors(nan_step: int | None, history: int) -> tuple[list[float], list[torch.Tensor]]:
+def _relative_errors(nan_step: int | None, history: int, device: str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> tuple[list[float], list[torch.Tensor]]:
     """A delayed-scaling Linear over 12 steps whose inputs grow 1.3x a step (margin 1 covers the
     one-step lag); with ``nan_step``, one NaN in that step's input. Per step: the relative error
     of the output's finite rows against FP32, and the input scale in force."""
     recipe = DelayedScaling(amax_history_len=history, margin=1)
     torch.manual_seed(0)
-    layer = mf.Linear(256, 128, bias=False)
+    layer = mf.Linear(256, 128, bias=False, params_dtype=dtype, device=device)
     errors, scales = [], []
     for step in range(12):
-        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(step)) * 1.3**step
+        x = (torch.randn(128, 256, generator=torch.Generator().manual_seed(step)) * 1.3**step).to(device, dtype)
         if step == nan_step:
             x[9, 3] = NAN
         with torch.no_grad(), mf.fp8_autocast(fp8_recipe=recipe):
@@ -156,9 +157,13 @@ def _relative_errors(nan_step: int | None, history: int) -> tuple[list[float], l
 
 
 @pytest.mark.parametrize("history", [8, 1])
-def test_one_nan_step_does_not_hold_the_delayed_scale(history: int) -> None:
-    twin, twin_scales = _relative_errors(None, history)
-    hit, hit_scales = _relative_errors(3, history)
+def test_one_nan_step_does_not_hold_the_delayed_scale(history: int, device: str = "cpu",
+                                                      dtype: torch.dtype = torch.float32) -> None:
+    """One NaN in one step's input: from the step after next on, the scales are those of a twin
+    run without it (the NaN's amax never enters the history). Also run on the GPU's kernels
+    (tests/test_nonfinite_kernels.py)."""
+    twin, twin_scales = _relative_errors(None, history, device, dtype)
+    hit, hit_scales = _relative_errors(3, history, device, dtype)
     assert max(twin) < 0.1
     # the NaN step records the step before's amax, so the next step's scale lags one step more
     # than the twin's; from then on the scales are the twin's (they follow the inputs)

@@ -21,6 +21,7 @@ import torch
 from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
 from megatron_fp8.quant.tensor import Operand, QuantizedTensor
 
+from . import test_nonfinite
 from .test_nonfinite import E4, E5, QUANTIZERS, _planted
 
 ON_GPU = torch.cuda.is_available()
@@ -126,3 +127,11 @@ def test_delayed_state_in_kernels_equals_torch(algo: str, history: int, monkeypa
         states[backend] = seen
     for got, want in zip(*states.values(), strict=True):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's delayed-scaling kernels")
+@pytest.mark.parametrize("history", [8, 1])
+def test_one_nan_step_recovers_on_the_gpu(history: int) -> None:
+    """RECIPES.md on the GPU: a delayed-scaling run (BF16, the kernels' one-launch step) with one
+    NaN step takes the twin run's scales again from the step after next (tests/test_nonfinite.py)."""
+    test_nonfinite.test_one_nan_step_does_not_hold_the_delayed_scale(history, "cuda", torch.bfloat16)
