@@ -7,7 +7,8 @@ as our spec, ``baseline_spec``; and ``megatron-bf16-own-attn`` with its own unfu
 our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
 ``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below). Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
-after the first two (warm-up); peak memory is its ``max allocated`` report. Prints a table, writes
+ending after iteration 10 (warm-up; in a short run, after the first two; 30 iterations by
+default); peak memory is its ``max allocated`` report. Prints a table, writes
 ``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``.
 
     python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
@@ -117,14 +118,17 @@ def _text(b: bytes | str | None) -> str:
     return "" if b is None else b.decode(errors="replace") if isinstance(b, bytes) else b
 
 
-_ITER = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)")
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+WARMUP_ITERS = 10  # intervals ending here or before are warm-up (compiles, allocator, router, clocks)
 _MEM = re.compile(r"max allocated: ([\d.]+)")
 _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
 
 
 def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
-    times = [float(t) for t in _ITER.findall(out)]  # Megatron logs iteration 1, then every log interval
-    steady = times[2:] or times[-1:]  # the first two intervals hold the warm-up (compiles, allocator)
+    logged = [(int(i), float(t)) for i, t in _ITER.findall(out)]  # iteration 1, then every log interval
+    steady = [t for i, t in logged if i > WARMUP_ITERS]
+    if len(steady) < 2:  # a short run (--smoke): all but the first two intervals
+        steady = [t for _, t in logged][2:] or [t for _, t in logged][-1:]
     ms = statistics.median(steady) if steady else None
     mem = [float(m) for m in _MEM.findall(out)]
     gemms = _GEMMS.findall(out)
@@ -197,7 +201,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per iteration")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--log-interval", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="four iterations per variant, no plot")
     ap.add_argument("--timeout", type=float, default=300)

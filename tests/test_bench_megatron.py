@@ -25,7 +25,9 @@ def _megatron_log(times: list[float], max_alloc: float, gemms: str | None) -> st
 def test_parse_takes_the_steady_intervals_and_peak_memory() -> None:
     out = _megatron_log([2000.0, 700.0, 250.0, 240.0, 260.0], 18150.5, "3840 FP8 GEMMs (native 1280, triton 2560)")
     r = bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), out, 0, 4 * 4096)
-    assert r.ms == 250.0  # the median of the intervals after the first two (warm-up)
+    assert r.ms == 250.0  # the median of the intervals ending after iteration 10 (warm-up)
+    longer = _megatron_log([2000.0, 700.0, 300.0, 240.0, 230.0, 250.0, 220.0], 1.0, None)  # iterations 1..30
+    assert bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), longer, 0, 1).ms == 235.0
     assert r.tokens_per_s == 4 * 4096 / 0.25
     assert r.max_alloc_mib == 18150.5 and r.gemms.startswith("3840 FP8 GEMMs")
     failed = bm.parse("moe", bm.Variant("ours-delayed", True, "delayed"), "Traceback ...\nboom", 1, 4096)
