@@ -32,6 +32,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+import trace_summary
+
 CONFIGS: dict[str, list[str]] = {
     "dense-8b": ["--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
                  "--group-query-attention", "--num-query-groups", "8"],
@@ -104,6 +106,10 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
         cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
             cmd += ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
+    if getattr(args, "profile", False):  # Megatron's own torch.profiler window: one iteration after the warm-up
+        start = min(WARMUP_ITERS + 2, args.iters - 1)
+        cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end",
+                str(start + 1), "--tensorboard-dir", os.path.join(_profile_dir(args, config, v), "tb")]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([args.megatron_lm, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          env.get("PYTHONPATH", "")])
@@ -112,6 +118,19 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
         env["MEGATRON_FP8_CONFIG"] = rules
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return cmd, env
+
+
+def _profile_dir(args: argparse.Namespace, config: str, v: Variant) -> str:
+    return os.path.join(os.path.abspath(args.out), "profiles", f"{config}-{v.name}")
+
+
+def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, float] | None:
+    """``trace_summary.summarize`` of the variant's profiled iteration (Megatron writes the trace
+    next to its TensorBoard folder), or None without one."""
+    path = os.path.join(_profile_dir(args, config, v), "torch_profile", "rank-0.json.gz")
+    if not os.path.isfile(path):
+        return None
+    return trace_summary.summarize(trace_summary.load(path))
 
 
 def _text(b: bytes | str | None) -> str:
@@ -204,6 +223,10 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--log-interval", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="four iterations per variant, no plot")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
+                         "(trace_summary.py): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
+                         "the profiler slows host-bound steps, so take ms/iter from a run without it")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -223,7 +246,8 @@ def main() -> int:
         with tempfile.NamedTemporaryFile("w", suffix=f"-{kind}.yaml", delete=False) as f:
             f.write(text)
         rules[kind] = f.name
-    results = []
+    results: list[Result] = []
+    profiles: dict[str, dict[str, float]] = {}
     chosen = variants(args.variants.split(",") if args.variants else None)
     log = open(os.path.join(args.out, "bench_megatron.log"), "w")
     for config in args.configs.split(","):
@@ -236,6 +260,8 @@ def main() -> int:
             except subprocess.TimeoutExpired as e:
                 out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
             r = parse(config, v, out, rc, args.seq * args.mbs * args.micro)
+            if args.profile:
+                profiles[f"{config} {v.name}"] = profile_of(args, config, v) or {}
             results.append(r)
             print(f"{config} {v.name}: rc={rc} {r.ms} ms/iter, {r.max_alloc_mib} MiB, {r.gemms} "
                   f"({time.time() - t0:.0f} s)", flush=True)
@@ -243,6 +269,14 @@ def main() -> int:
                 print(r.tail, flush=True)
             log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
             log.flush()
+    if profiles:
+        found = {k: p for k, p in profiles.items() if p}
+        print("\n## Where one iteration's time goes (ms, profiled; trace_summary.py)\n")
+        print(trace_summary.table(found) if found else "no trace was written (is --profile supported by this "
+                                                      "Megatron-LM?)")
+        print(f"runs without a trace: {sorted(set(profiles) - set(found))}" if len(found) < len(profiles) else "")
+        with open(os.path.join(args.out, "bench_megatron_profiles.json"), "w") as g:
+            json.dump(profiles, g, indent=1)
     return report(results, args, plot_too=not args.smoke)
 
 

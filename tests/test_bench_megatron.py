@@ -68,3 +68,56 @@ def test_fp8_variants_pass_megatrons_format_and_recipe() -> None:
     assert formats["ours-blockwise"] == ("hybrid", "blockwise")
     assert formats["ours-delayed+flags"] == ("hybrid", "delayed")
     assert formats["megatron-bf16"] is None and formats["ours-bf16"] is None
+
+
+def _trace(tmp: str) -> str:
+    """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms, kernels on two streams."""
+    import gzip
+    import json
+
+    def x(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [x("user_annotation", "ProfilerStep#12", 1000.0, 10000.0),
+              x("cpu_op", "_Linear", 1100.0, 900.0), x("cpu_op", "_LinearBackward", 5000.0, 1100.0),
+              x("cpu_op", "aten::mm", 1200.0, 50.0),
+              x("kernel", "_current_persistent_kernel", 1500.0, 500.0),
+              x("kernel", "sm90_xmma_gemm_e4m3e4m3_bf16", 2000.0, 3000.0),
+              x("kernel", "nvjet_tst_128x256", 4000.0, 2000.0),  # overlaps the GEMM above (another stream)
+              x("kernel", "pytorch_flash::flash_fwd_kernel", 7000.0, 1000.0),
+              x("kernel", "elementwise_kernel", 8000.0, 500.0), x("gpu_memset", "Memset", 8500.0, 500.0),
+              x("kernel", "sm90_gemm_outside", 20000.0, 5000.0)]  # after the step: not counted
+    path = os.path.join(tmp, "rank-0.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
+    import trace_summary as ts
+
+    s = ts.summarize(ts.load(_trace(str(tmp_path))))
+    assert s["steps"] == 1 and s["step"] == 10.0
+    assert s["gpu busy"] == 6.5  # 1.5-6.0 (the two GEMMs overlap), 7.0-9.0
+    assert s["gpu idle"] == 3.5
+    assert (s["gemm"], s["fp8 casts"], s["attention"], s["other"]) == (5.0, 0.5, 1.0, 1.0)
+    assert s["host in our layers"] == 2.0
+    assert "| rank-0 |" in ts.table({"rank-0": s})
+
+
+def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[str]) -> None:
+    import argparse
+    import shutil
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=30, log_interval=5,
+                              profile=True, out=str(tmp_path))
+    v = bm.variants(["ours-tensorwise"])[0]
+    cmd, _ = bm._command(args, "dense-1b", v, "")
+    assert cmd[cmd.index("--profile-step-start") + 1] == "12" and cmd[cmd.index("--profile-step-end") + 1] == "13"
+    assert "--use-pytorch-profiler" in cmd
+    tb = cmd[cmd.index("--tensorboard-dir") + 1]
+    assert bm.profile_of(args, "dense-1b", v) is None  # no trace written yet
+    where = os.path.join(os.path.dirname(tb), "torch_profile")  # Megatron writes it beside the TensorBoard dir
+    os.makedirs(where)
+    shutil.copy(_trace(str(tmp_path)), os.path.join(where, "rank-0.json.gz"))
+    assert bm.profile_of(args, "dense-1b", v)["gemm"] == 5.0
