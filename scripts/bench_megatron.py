@@ -32,8 +32,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import trace_summary
-
 CONFIGS: dict[str, list[str]] = {
     "dense-8b": ["--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
                  "--group-query-attention", "--num-query-groups", "8"],
@@ -125,12 +123,14 @@ def _profile_dir(args: argparse.Namespace, config: str, v: Variant) -> str:
 
 
 def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, float] | None:
-    """``trace_summary.summarize`` of the variant's profiled iteration (Megatron writes the trace
+    """``trace_step.summarize`` of the variant's profiled iteration (Megatron writes the trace
     next to its TensorBoard folder), or None without one."""
     path = os.path.join(_profile_dir(args, config, v), "torch_profile", "rank-0.json.gz")
     if not os.path.isfile(path):
         return None
-    return trace_summary.summarize(trace_summary.load(path))
+    import trace_step  # scripts/: torch and the package, needed only here
+
+    return trace_step.summarize(trace_step.load(path))
 
 
 def _text(b: bytes | str | None) -> str:
@@ -225,7 +225,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="four iterations per variant, no plot")
     ap.add_argument("--profile", action="store_true",
                     help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
-                         "(trace_summary.py): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
+                         "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default=".")
@@ -271,8 +271,10 @@ def main() -> int:
             log.flush()
     if profiles:
         found = {k: p for k, p in profiles.items() if p}
-        print("\n## Where one iteration's time goes (ms, profiled; trace_summary.py)\n")
-        print(trace_summary.table(found) if found else "no trace was written (is --profile supported by this "
+        print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")
+        import trace_step
+
+        print(trace_step.table(found) if found else "no trace was written (is --profile supported by this "
                                                       "Megatron-LM?)")
         print(f"runs without a trace: {sorted(set(profiles) - set(found))}" if len(found) < len(profiles) else "")
         with open(os.path.join(args.out, "bench_megatron_profiles.json"), "w") as g:

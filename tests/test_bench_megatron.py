@@ -94,7 +94,7 @@ def _trace(tmp: str) -> str:
 
 
 def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
-    import trace_summary as ts
+    import trace_step as ts
 
     s = ts.summarize(ts.load(_trace(str(tmp_path))))
     assert s["steps"] == 1 and s["step"] == 10.0
