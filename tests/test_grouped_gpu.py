@@ -193,3 +193,32 @@ def test_router_splits_run_every_expert_gemm_natively(name: str, monkeypatch: py
     pairs += [(grouped[2 + i], sep_dw[i], ref_dw[i]) for i in range(len(splits)) if splits[i]]
     for got, sep, ref in pairs:
         assert _sqnr_db(got, ref) >= _sqnr_db(sep, ref) - 0.5
+
+
+def test_fp8_off_grouped_mm_close_to_the_expert_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 off on CUDA (weights packed, BF16): the three GEMMs are one ``torch._grouped_mm`` each,
+    within BF16 accumulation order of the expert loop, an empty expert's weight gradient exactly
+    zero, router splits included."""
+    calls: list[int] = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for splits in (SPLITS, router_splits(1536, 4, 2, seed=3)):
+        x = torch.randn(sum(splits), K, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(sum(splits), N, device="cuda", dtype=torch.bfloat16)
+        got = []
+        for packed in (True, False):
+            torch.manual_seed(0)
+            layer = GroupedLinear(len(splits), K, N, bias=False, params_dtype=torch.bfloat16).cuda()
+            if packed:
+                layer.pack_weights()
+            calls.clear()
+            xi = x.clone().requires_grad_()
+            layer(xi, splits).backward(dy)
+            assert len(calls) == (3 if packed else 0)
+            got.append([xi.grad, *(w.grad for w in layer.weights)])
+        for i, (a, b) in enumerate(zip(*got)):
+            assert torch.isfinite(a).all()
+            assert float((a.float() - b.float()).norm()) <= 1e-2 * float(b.float().norm()) + 1e-6, i
+        for i, m in enumerate(splits):
+            if m == 0:
+                assert torch.equal(got[0][1 + i], torch.zeros_like(got[0][1 + i]))

@@ -265,7 +265,9 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
         dx = torch._grouped_mm(dy, stacked, offs=ends) if need_dx else None
         if not need_dw:
             return dx, [None] * len(weights)
-        dw = torch._grouped_mm(dy.t(), x, offs=ends)  # [E, N, K]; an expert without tokens gets zeros
+        dw = torch._grouped_mm(dy.t(), x, offs=ends)  # [E, N, K]
+        for i in (i for i, m in enumerate(splits) if m == 0):  # an expert without tokens: zeros, never
+            dw[i].zero_()  # what a kernel leaves in a group with nothing to sum (the CPU's are zeros)
         return dx, [d.to(wgrad_dtype) for d in dw.unbind(0)]
     dys, xs = dy.split(splits), x.split(splits)
     dx = torch.cat([d @ w.to(dy.dtype) for d, w in zip(dys, weights)]) if need_dx else None
