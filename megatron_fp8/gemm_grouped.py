@@ -80,6 +80,20 @@ def back_to_back(datas: Sequence[torch.Tensor]) -> bool:
     return _inside_first(d0, ptr)
 
 
+def packed(ws: Sequence[torch.Tensor]) -> bool:
+    """Whether equally shaped 2-D tensors (the experts' weights) lie back to back in one buffer
+    (``GroupedLinear.pack_weights``), so ``stacked(ws[0], len(ws))`` views them all."""
+    w0 = ws[0]
+    return all(w.shape == w0.shape for w in ws) and back_to_back(ws)
+
+
+def stacked(w0: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` tensors shaped as ``w0`` that lie back to back from it (``packed``), as one
+    detached ``[count, *w0.shape]`` view."""
+    n, k = w0.shape
+    return w0.detach().as_strided((count, n, k), (n * k, k, 1))
+
+
 def _ones(g: int, n: int, device: torch.device) -> torch.Tensor:
     """``[g, n]`` FP32 ones, kept per shape; made fresh while a CUDA graph is captured (a tensor
     made there is only written when the graph replays, so it must not be handed to others)."""

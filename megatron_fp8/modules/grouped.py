@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..gemm_grouped import back_to_back
+from ..gemm_grouped import packed, stacked
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers, mark_tensors_param_derived, weight_row_padding
 from ..quant.quantizers import Segments
@@ -61,9 +61,8 @@ class ExpertParams:
         """All experts' weights as one ``[num_gemms * N, K]`` tensor: a view when they lie back
         to back in one buffer (``pack_weights``), else a copy."""
         ws = self.weights
-        w0 = ws[0]
-        if all(w.shape == w0.shape for w in ws) and back_to_back(ws):
-            return w0.detach().as_strided((len(ws) * w0.shape[0], w0.shape[1]), (w0.shape[1], 1))
+        if packed(ws):
+            return stacked(ws[0], len(ws)).flatten(0, 1)
         return torch.cat([w.detach() for w in ws])
 
     def _fp8_weights(self, qs: list[LinearQuantizers], is_first_microbatch: bool | None

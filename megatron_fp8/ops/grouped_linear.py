@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm_grouped import back_to_back, grouped_gemm_cat, grouped_wgrad, one_launch_rows, split_rows
+from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, one_launch_rows, packed, split_rows, stacked
 from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
@@ -225,20 +225,17 @@ class _GroupedLinear(torch.autograd.Function):
         return dx, None, *dws, *dbs
 
 
-def _stacked_hp(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The experts' weights as one ``[E, N, K]`` view for ``torch._grouped_mm`` (FP8 off: one
-    launch per GEMM instead of one per expert), or None where it does not apply: BF16 input and
-    weights lying back to back in one buffer (``GroupedLinear.pack_weights``), rows of 16-byte
-    multiples, and a torch and device that have the op (SM90+ on CUDA). On the CPU it runs a
-    matmul per expert, bit for bit the loop's."""
+def _grouped_mm_ok(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether FP8-off GEMMs go through ``torch._grouped_mm`` (one launch per GEMM instead of one
+    per expert): BF16 input and weights, the weights in one buffer (``gemm_grouped.packed``), rows
+    of 16-byte multiples, and a torch and device that have the op (SM90+ on CUDA). On the CPU it
+    runs a matmul per expert, bit for bit the loop's."""
     w0 = weights[0]
     n, k = w0.shape
-    if not (hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w0.dtype == torch.bfloat16
+    return (hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w0.dtype == torch.bfloat16
             and n % 8 == 0 and k % 8 == 0 and x.is_contiguous() and x.data_ptr() % 16 == 0
             and (x.device.type == "cpu" or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9))
-            and all(w.shape == w0.shape for w in weights) and back_to_back(weights)):
-        return None
-    return w0.detach().as_strided((len(weights), n, k), (n * k, k, 1))
+            and packed(weights))
 
 
 def _ends(splits: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -248,9 +245,10 @@ def _ends(splits: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def _forward_hp(ctx: Any, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     ctx.save_for_backward(x, *weights)
-    stacked = _stacked_hp(x, weights)
-    if stacked is not None:
-        return torch._grouped_mm(x, stacked.transpose(-2, -1), offs=_ends(ctx.args.m_splits, x.device))
+    ctx.grouped_mm = _grouped_mm_ok(x, weights)  # decided once: backward reuses it
+    if ctx.grouped_mm:
+        w = stacked(weights[0], len(weights))
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=_ends(ctx.args.m_splits, x.device))
     ys = [xi @ w.to(x.dtype).t() for xi, w in zip(x.split(list(ctx.args.m_splits)), weights)]
     return torch.cat(ys) if len(ys) > 1 else ys[0]
 
@@ -259,10 +257,9 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
                  need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     x, *weights = ctx.saved_tensors
     splits = list(ctx.args.m_splits)
-    stacked = _stacked_hp(x, weights) if dy.dtype == torch.bfloat16 and dy.data_ptr() % 16 == 0 else None
-    if stacked is not None:
+    if ctx.grouped_mm and dy.dtype == torch.bfloat16 and dy.data_ptr() % 16 == 0:
         ends = _ends(splits, dy.device)
-        dx = torch._grouped_mm(dy, stacked, offs=ends) if need_dx else None
+        dx = torch._grouped_mm(dy, stacked(weights[0], len(weights)), offs=ends) if need_dx else None
         if not need_dw:
             return dx, [None] * len(weights)
         dw = torch._grouped_mm(dy.t(), x, offs=ends)  # [E, N, K]
