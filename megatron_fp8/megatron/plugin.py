@@ -156,7 +156,7 @@ def high_precision_linears(root: nn.Module) -> list[str]:
 def _warn_high_precision_linears(root: nn.Module, config: Any) -> None:
     """Never silent: with FP8 on, name the linears of ``high_precision_linears`` (rank 0, once per
     model, with the summary)."""
-    if not getattr(config, "fp8", None) or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+    if not getattr(config, "fp8", None) or not _rank0():
         return
     names = high_precision_linears(root)
     if names:
@@ -245,8 +245,12 @@ def _summary(root: nn.Module, plan: dict[str, bool], config: Any) -> str:
     return "\n".join(lines)
 
 
+def _rank0() -> bool:
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _print0(text: str) -> None:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+    if _rank0():
         print(text, flush=True)
 
 
