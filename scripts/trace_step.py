@@ -66,10 +66,7 @@ def _graphed(step: Callable[[], None], grouped_gemm: str | None = None) -> Calla
 
 def _device_events(path: str) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of the kernels, copies and memsets in a Chrome trace."""
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
+    gpu = sorted((e for e in load(path) if e.get("ph") == "X" and e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
     return [(e["name"], float(e["ts"]), float(e["dur"])) for e in gpu]
 
 
@@ -181,10 +178,8 @@ COLUMNS = ("step", "gpu busy", "gpu idle", "gemm", "fp8 casts", "attention", "ot
 
 def table(rows: dict[str, dict[str, float]]) -> str:
     """A markdown table: one row per trace, milliseconds per step."""
-    lines = ["| run | " + " | ".join(f"{c} ms" for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    for name, s in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{s[c]:.1f}" for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table(["run", *(f"{c} ms" for c in COLUMNS)],
+                          [[name, *(round(s[c], 1) for c in COLUMNS)] for name, s in rows.items()])
 
 
 def main() -> None:
