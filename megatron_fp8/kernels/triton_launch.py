@@ -124,6 +124,50 @@ class Launcher:
             self.fast = False
             self.fn[tuple(grid)](*args, **kwargs)
 
+    def prepare(self, grid: Sequence[int], leading: int, *args: Any, **kwargs: Any) -> Prepared | None:
+        """Launch ``kernel[grid](*args, **kwargs)`` now, as a call does, and return a ``Prepared``
+        launch of the same kernel and grid that takes only the first ``leading`` arguments anew:
+        for a caller that launches it again and again with arguments of the same specialization
+        (tensors of the same dtypes, 16-byte aligned where these were; ints with the same
+        properties), which it vouches for instead of a key built per launch. None where launches
+        here are not the direct kind (Triton's interpreter, another launcher API, a kernel with
+        scratch buffers): the caller then launches through ``__call__``."""
+        self(grid, *args, **kwargs)
+        if not self.fast:
+            return None
+        values = [*args, *[kwargs[name] for name in self.names[len(args):]]]
+        device = torch.cuda.current_device()
+        kept = self.kernels.get(self._key(device, values, kwargs))
+        if kept is None or kept.direct is None:
+            return None
+        return Prepared(kept, (*grid, 1, 1)[:3], tuple(values[leading:]), device)
+
+
+class Prepared:
+    """A kept kernel's launch with its grid and trailing arguments fixed (``Launcher.prepare``):
+    ``p(*leading)`` launches on the current stream of the device it was prepared on. Where a
+    launch hook is registered (a profiler), it goes through Triton's wrapper as ``Launcher`` does."""
+
+    __slots__ = ("kept", "grid", "tail", "device", "stream")
+
+    def __init__(self, kept: _Kept, grid: tuple[int, ...], tail: tuple[Any, ...], device: int) -> None:
+        self.kept, self.grid, self.tail, self.device = kept, grid, tail, device
+        self.stream = triton.runtime.driver.active.get_current_stream
+
+    def __call__(self, *leading: Any) -> None:
+        kept, (g0, g1, g2) = self.kept, self.grid
+        kernel = kept.kernel
+        stream = self.stream(self.device)
+        hooks = triton.knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if _no_hook(enter) and _no_hook(leave):
+            kept.direct(g0, g1, g2, stream, kernel.function, kept.cooperative, kept.pdl, None, None,
+                        kernel.packed_metadata, None, None, None, *leading, *self.tail)
+            return
+        values = (*leading, *self.tail)
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(self.grid, stream, *values), enter, leave, *values)
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host code (``triton.cdiv`` is a Triton constexpr function: a few us of

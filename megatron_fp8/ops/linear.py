@@ -32,6 +32,7 @@ from ..gemm import gemm
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
+from .lean import lean_cast, lean_linear, plan_for
 
 
 @dataclass
@@ -84,7 +85,7 @@ def cast_weight(quantizer: Quantizer, weight: torch.Tensor) -> QuantizedTensor:
     pad = weight_row_padding(quantizer, weight.shape[0])
     with torch.no_grad():
         w = F.pad(weight, (0, 0, 0, pad)) if pad else weight
-        return mark_param_derived(quantizer.quantize(w, rowwise=True, columnwise=True))
+        return mark_param_derived(lean_cast(quantizer, w) or quantizer.quantize(w, rowwise=True, columnwise=True))
 
 
 def unpad_wgrad(dw: torch.Tensor, n_pad: int, fused: bool) -> torch.Tensor:
@@ -329,6 +330,12 @@ def linear(
         # without our autograd function's Python on every call (the eager host cost)
         return F.linear(x, weight, bias)
     wgrad = torch.is_grad_enabled() and weight.requires_grad
+    if quantizers is not None and comm is None:  # one device: the lean path's plan, where it has one
+        assert w_fp8 is not None
+        plan = plan_for(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation)
+        y = lean_linear(x, weight, bias, w_fp8, plan, fuse_wgrad_accumulation) if plan is not None else None
+        if y is not None:
+            return y
     pad = _token_padding(x, quantizers, comm) if wgrad else 0
     if pad:  # block scales along the tokens (the wgrad copies): zero rows up to the block, sliced off
         y = linear(F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, pad)), weight, bias, w_fp8=w_fp8, quantizers=quantizers,

@@ -67,6 +67,7 @@ def main() -> None:
             sync()
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(args.rows)
+            pstats.Stats(pr).sort_stats("cumulative").print_stats("megatron_fp8", args.rows)
             continue
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):

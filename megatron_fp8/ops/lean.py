@@ -1,0 +1,203 @@
+"""The lean eager path of the FP8 linear: a plan per layer and input signature.
+
+``ops.linear._Linear`` serves every case (tensor-parallel communication, token and weight
+padding, any device) and pays for it on every call. A ``LinearPlan`` serves the common one (one
+device's linear, no padding, eager) with routes (``ops.routes``) decided at its first call: x's
+cast, dy's cast and the three GEMMs. Its autograd function saves exactly what ``_Linear`` saves
+(the same tensors of the same casts: ``save_original_input`` and the saved-bytes accounting are
+unchanged) and computes the same bits: the routes launch what the general path launches, and
+tests/test_lean.py compares the two paths with ``torch.equal`` for every recipe, with the flag
+on and off.
+
+Plans live on the layer's ``LinearQuantizers`` (so a new recipe starts without them), keyed by
+the input's shape, dtype and device, the weight's shape and dtype, the flags and the settings
+(``routes.settings``). ``MEGATRON_FP8_LEAN``: ``auto`` (the default) makes plans for CUDA inputs,
+``1`` on any device (routes there are the general calls: how the CPU tests run this autograd
+function), ``0`` none. A plan's first forward that fails warns once, naming the layer, and the
+general path serves that layer's signature from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ..quant.tensor import Operand, QuantizedTensor
+from . import routes
+
+_MISSING = object()
+
+
+def lean_mode() -> str:
+    """``MEGATRON_FP8_LEAN``: ``auto`` (plans for CUDA inputs), ``1`` (any device) or ``0``."""
+    v = os.environ.get("MEGATRON_FP8_LEAN", "auto").strip().lower()
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"MEGATRON_FP8_LEAN={v!r}; allowed: 'auto' (plans for CUDA inputs), '1' (any device), "
+                         "'0' (the general path only)")
+    return v
+
+
+def lean_cast(q: Any, w: torch.Tensor) -> QuantizedTensor | None:
+    """Both copies of a weight through its route (``routes.cast_route``), where the lean path
+    makes plans for ``w``'s device; else None (the caller quantizes)."""
+    lean = lean_mode()
+    if lean == "0" or (lean == "auto" and not w.is_cuda) or w.dim() != 2 or not w.numel():
+        return None
+    row, row_s, col, col_s, scale = routes.cast_route(q, w, True, True)(w)
+    return QuantizedTensor(w.shape, w.dtype, q.fp8_dtype, Operand(row, row_s, q.layout), Operand(col, col_s, q.layout),
+                           scale)
+
+
+class LinearPlan:
+    """The routes of one linear for one input signature: x's cast, the three GEMMs (made at
+    their first use, from the operands they first see) and dy's cast."""
+
+    __slots__ = ("q", "soi", "wgrad", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype", "proven")
+
+    def __init__(self, q: Any, x2d: torch.Tensor, soi: bool, wgrad: bool) -> None:
+        self.q, self.soi, self.wgrad = q, soi, wgrad
+        self.cast_x = routes.cast_route(q.input, x2d, True, wgrad and not soi)
+        self.fprop: routes.GemmRoute | None = None
+        self.dgrad: routes.GemmRoute | None = None
+        self.wgrad_gemm: routes.GemmRoute | None = None
+        self.dy_route: routes.CastRoute | None = None
+        self.out_dtype = x2d.dtype
+        self.proven = False  # a forward ran through it
+
+
+def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
+             soi: bool, wgrad: bool, fuse_wgrad: bool) -> LinearPlan | None:
+    """The layer's plan for this call, made at its first call; None where the general path
+    serves it (padding, a capture, FP8 state it does not cover, the lean path off)."""
+    plans: dict[tuple[Any, ...], LinearPlan | None] | None = q.__dict__.get("_plans")
+    if plans is None:
+        plans = q.__dict__["_plans"] = {}
+    key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, soi, wgrad, fuse_wgrad, bias is None,
+           routes.settings())
+    plan = plans.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = plans[key] = _make(x, weight, w_fp8, q, soi, wgrad)
+    if plan is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # graphs take the general path's capture routes
+    return plan  # type: ignore[return-value]
+
+
+def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Any, soi: bool,
+          wgrad: bool) -> LinearPlan | None:
+    lean = lean_mode()
+    if lean == "0" or (lean == "auto" and not x.is_cuda) or x.dim() < 1 or x.shape[-1] == 0:
+        return None
+    if w_fp8.shape[0] != weight.shape[0] or w_fp8.rowwise is None or w_fp8.columnwise is None:
+        return None  # padded weight rows (ops.linear.cast_weight), or a weight cast without both copies
+    tokens = x.numel() // x.shape[-1]
+    if wgrad:
+        if tokens % q.input.layout.token_multiple:
+            return None  # the general path pads the tokens
+        try:  # the casts backward will do: the general path raises its errors
+            q.input.check_shape((tokens, x.shape[-1]), rowwise=False, columnwise=True)
+            q.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
+        except ValueError:
+            return None
+    return LinearPlan(q, x.reshape(-1, x.shape[-1]), soi, wgrad)
+
+
+class LeanLinear(torch.autograd.Function):
+    """``ops.linear._Linear``'s FP8 path on a plan: the same saved tensors and bits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor,
+        plan: LinearPlan, fuse_wgrad: bool,
+    ) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        xr, xrs, xc, xcs, xs = plan.cast_x(x2d)
+        wr, wc = w_fp8.rowwise, w_fp8.columnwise
+        fprop = plan.fprop
+        if fprop is None:
+            fprop = plan.fprop = routes.gemm_route("fprop", Operand(xr, xrs, plan.q.input.layout), wr, x.dtype, True)
+        y = fprop(xr, xrs, wr.data, wr.scale_inv)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.plan, ctx.weight, ctx.x_shape, ctx.fuse_wgrad = plan, weight, x.shape, fuse_wgrad
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.w_layout = wc.layout
+        if not plan.wgrad:
+            saved: tuple[torch.Tensor, ...] = ()
+        elif plan.soi:
+            saved = (x, xs) if xs is not None else (x,)
+        else:
+            saved = (xc, xcs)
+        ctx.save_for_backward(*saved, wc.data, wc.scale_inv)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from .linear import _accumulate_wgrad
+
+        plan: LinearPlan = ctx.plan
+        q = plan.q
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        weight = ctx.weight
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_dw = need_dw and plan.wgrad
+        *x_saved, w_data, w_sinv = ctx.saved_tensors
+        if need_dx and need_dw:
+            route = plan.dy_route
+            if route is None:
+                route = plan.dy_route = routes.cast_route(q.grad_output, dy, True, True)
+        else:
+            route = routes.general_cast(q.grad_output, need_dx, need_dw)
+        dyr, dyrs, dyc, dycs, _ = route(dy)
+        dx = dw = None
+        if need_dx:
+            dgrad = plan.dgrad if grad_out.dtype == plan.out_dtype else None
+            if dgrad is None:
+                dgrad = routes.gemm_route("dgrad", Operand(dyr, dyrs, q.grad_output.layout),
+                                          Operand(w_data, w_sinv, ctx.w_layout), grad_out.dtype, False)
+                if grad_out.dtype == plan.out_dtype:
+                    plan.dgrad = dgrad
+            dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
+        if need_dw:
+            if plan.soi:  # x's columnwise copy, cast now with the forward's scale (ops.linear._input_columnwise)
+                x = x_saved[0]
+                qt = q.input.quantize(x.reshape(-1, x.shape[-1]), rowwise=False, columnwise=True,
+                                      scale=x_saved[1] if len(x_saved) > 1 else None, record_amax=False)
+                xc, xcs = qt.columnwise.data, qt.columnwise.scale_inv
+            else:
+                xc, xcs = x_saved
+            wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
+            if wgrad is None:
+                wgrad = plan.wgrad_gemm = routes.gemm_route(
+                    "wgrad", Operand(dyc, dycs, q.grad_output.layout), Operand(xc, xcs, q.input.layout),
+                    torch.float32 if ctx.fuse_wgrad else weight.dtype, False)
+            dw = wgrad(dyc, dycs, xc, xcs)
+            if ctx.fuse_wgrad:
+                dw = _accumulate_wgrad(weight, dw)
+        db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if (ctx.bias_dtype is not None and need_db) else None
+        return dx, dw, db, None, None, None
+
+
+def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor,
+                plan: LinearPlan, fuse_wgrad: bool) -> torch.Tensor | None:
+    """``LeanLinear`` on ``plan``; its first forward, if it fails, warns (naming the layer), retires
+    the plan for this signature and returns None (the caller runs the general path)."""
+    if plan.proven:
+        return LeanLinear.apply(x, weight, bias, w_fp8, plan, fuse_wgrad)
+    try:
+        y = LeanLinear.apply(x, weight, bias, w_fp8, plan, fuse_wgrad)
+    except (torch.OutOfMemoryError, ValueError, TypeError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a route this device refuses: the general path serves it
+        plans = plan.q.__dict__.get("_plans", {})
+        for key in [k for k, p in plans.items() if p is plan]:
+            plans[key] = None
+        owner = plan.q.input.name.rsplit(" ", 1)[0]
+        warnings.warn(f"megatron_fp8: {owner}: the lean FP8 path failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); calls of this shape take the general "
+                      f"path (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=3)
+        return None
+    plan.proven = True
+    return y

@@ -1,0 +1,289 @@
+"""Routes: one FP8 cast or GEMM of the linear, decided once for a signature and kept.
+
+Through the general path (``Quantizer.quantize``, ``gemm.gemm``) every cast and GEMM decides its
+route again on each call: backend settings read from the environment, capture state, shape and
+dtype checks, kernel choice, the key of a Triton launch, and the objects that describe the result.
+A route makes those decisions once for a signature (shape, dtype, device, copies, settings) and
+keeps what they decided; a call then allocates its outputs and launches.
+
+A fast route exists where this module launches exactly what the general path launches for the
+signature (the same kernels with the same arguments, so the same bits): current scaling's
+one-launch cast, the 1x128 / 128x128 block casts, delayed scaling's amax-and-cast, torch's
+``scaled_mm`` for per-tensor and E4M3 block GEMMs, cuBLASLt for HYBRID block GEMMs. Elsewhere the
+route is the general call itself behind the same signature. ``ops.lean`` builds a linear's plan
+from them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import gemm as gemm_mod
+from ..gemm import Backend, gemm
+from ..kernels import cublaslt
+from ..quant import kernels
+from ..quant.block_scaling import Block1DQuantizer, Block2DQuantizer
+from ..quant.formats import ScaleLayout
+from ..quant.quantizer import Quantizer, _grouped
+from ..quant.tensor import Operand
+from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer, fold_amax
+
+L = ScaleLayout
+# (row, row scale_inv, col, col scale_inv, per-tensor scale): the raw tensors of a QuantizedTensor
+Cast = tuple[Any, Any, Any, Any, Any]
+CastRoute = Callable[[torch.Tensor], Cast]
+GemmRoute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# the settings a route depends on: a plan made under one set is not used under another
+_SETTINGS = ("MEGATRON_FP8_LEAN", "MEGATRON_FP8_CAST_BACKEND", "MEGATRON_FP8_CUDA_CAST", "MEGATRON_FP8_CUDA_CURRENT",
+             "MEGATRON_FP8_GEMM_BACKEND", "MEGATRON_FP8_HYBRID_GEMM", "MEGATRON_FP8_BLOCK_GEMM",
+             "MEGATRON_FP8_STRICT", "TRITON_INTERPRET", "CUBLASLT_WORKSPACE_SIZE")
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own store: one dict lookup a setting
+_ENV_KEYS = tuple(os.environ.encodekey(k) for k in _SETTINGS) if hasattr(os.environ, "encodekey") else None
+
+
+def settings() -> tuple[Any, ...]:
+    """The values of every setting a plan depends on (and ``force_backend``'s pin): part of the
+    plan's key, so that a changed setting makes a new plan. ~1 us: read from the environment's
+    own dictionary where this Python keeps one."""
+    if _ENV_DATA is not None and _ENV_KEYS is not None:
+        data = _ENV_DATA
+        return (*[data.get(k) for k in _ENV_KEYS], gemm_mod._state.forced)
+    return (*[os.environ.get(k) for k in _SETTINGS], gemm_mod._state.forced)
+
+
+# ---- cast routes ------------------------------------------------------------------------------
+def general_cast(q: Quantizer, rowwise: bool, columnwise: bool) -> CastRoute:
+    """``q.quantize`` itself, its outputs as raw tensors (the route's ``general`` attribute says so)."""
+    def run(x: torch.Tensor) -> Cast:
+        qt = q.quantize(x, rowwise=rowwise, columnwise=columnwise)
+        r, c = qt.rowwise, qt.columnwise
+        return (r.data if r is not None else None, r.scale_inv if r is not None else None,
+                c.data if c is not None else None, c.scale_inv if c is not None else None, qt.scale)
+    run.general = True  # type: ignore[attr-defined]
+    return run
+
+
+def cast_route(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute:
+    """The route of ``q.quantize(x', rowwise=, columnwise=)`` for tensors ``x'`` like ``x`` (same
+    shape, dtype, device; contiguous): a fast one where this module has it, else the general one.
+    Kept on the quantizer per signature (its own cache, so the weight's cast has one too)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return general_cast(q, rowwise, columnwise)  # a capture takes the general path's graph routes
+    routes: dict[tuple[Any, ...], CastRoute] = q.__dict__.setdefault("_lean_routes", {})
+    key = (x.shape, x.dtype, x.device, rowwise, columnwise, settings())
+    route = routes.get(key)
+    if route is None:
+        route = routes[key] = _fast_cast(q, x, rowwise, columnwise) or general_cast(q, rowwise, columnwise)
+    return route
+
+
+def _fast_cast(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
+    if not (kernels._kernel_device(x) and x.dim() == 2 and x.numel() and (rowwise or columnwise)):
+        return None
+    if not kernels.segments_fused(x, columnwise):
+        return None  # the kernels do not serve it here
+    if type(q) is CurrentScalingQuantizer and not _grouped(q.group):
+        return _current_cast(q, x, rowwise, columnwise)
+    if type(q) in (Block1DQuantizer, Block2DQuantizer):
+        return _block_cast(q, x, rowwise, columnwise)
+    if type(q) is DelayedScalingQuantizer and not _grouped(q.group):
+        return _delayed_cast(q, x, rowwise, columnwise)
+    return None
+
+
+def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
+    """Current scaling's one-launch cast (``triton_persistent``), where the general path takes it
+    eagerly: its launch prepared once, its sync words and SM count looked up once a call."""
+    from ..kernels import triton_cast
+    from ..kernels import triton_persistent as tp
+    from ..kernels.triton_tiles import TILE, _fp8_consts, cast_warps
+
+    if triton_cast.cuda_current_ok(x, q.fp8_dtype, rowwise, columnwise) or not tp.persistent_ok(x) \
+            or not kernels._one_launch.ok:
+        return None
+    m, k = x.shape
+    device, fp8 = x.device, q.fp8_dtype
+    dev = torch.cuda.current_device()
+    if device.index != dev:
+        return None
+    n_kb = -(-k // TILE)
+    warps = cast_warps("tensor", rowwise, columnwise)
+    fmax, _, _, out = _fp8_consts(fp8)
+    if dev not in tp._sm_count:
+        tp._sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = (min(tp._sm_count[dev] * tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM), -(-m // TILE) * n_kb),)
+    kw: dict[str, Any] = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=False, FMAX=fmax, OUT=out, T=TILE,
+                              EPS=float(q.amax_epsilon), POW2=q.power_2_scale, BE=128, num_warps=warps, PHASES=0,
+                              launch_cooperative_grid=True, **tp._register_cap(warps))
+    launch: Any = None
+    f32 = torch.float32
+
+    def run(x: torch.Tensor) -> Cast:
+        nonlocal launch
+        x = x.contiguous()
+        row = torch.empty((m, k), dtype=fp8, device=device) if rowwise else x
+        col = torch.empty((k, m), dtype=fp8, device=device) if columnwise else x
+        scale, inv = torch.empty((1,), dtype=f32, device=device), torch.empty((1,), dtype=f32, device=device)
+        sync = tp._sync_words(dev, 1)
+        if launch is not None and x.data_ptr() % 16 == 0:
+            launch(x, row, col, scale, inv, x, sync)
+        else:  # the first call, or an input the prepared launch's alignment does not cover
+            prepared = tp._PERSISTENT.prepare(grid, 7, x, row, col, scale, inv, x, sync, m, k, n_kb, 1, **kw)
+            if launch is None and x.data_ptr() % 16 == 0:
+                launch = prepared
+        s, i = scale.view(()), inv.view(())
+        return (row if rowwise else None), i, (col if columnwise else None), i, s
+    return run
+
+
+def _block_cast(q: Block1DQuantizer | Block2DQuantizer, x: torch.Tensor, rowwise: bool,
+                columnwise: bool) -> CastRoute | None:
+    """1x128 / 128x128 casts on the CUDA tile kernel where it serves (both copies of an aligned
+    BF16 tensor), else on the Triton tile cast called directly; scales as ``cast_tiles`` views them."""
+    from ..kernels import cuda_cast, triton_cast
+    from ..kernels.triton_tiles import TILE
+
+    mode = "1x128" if type(q) is Block1DQuantizer else "128x128"
+    if not kernels._block_kernel_ok(x, columnwise, q.block, q.power_2_scale, q.amax_epsilon):
+        return None
+    try:
+        q.check_shape(tuple(x.shape), rowwise=rowwise, columnwise=columnwise)
+    except ValueError:
+        return None  # the general path raises its error
+    m, k = x.shape
+    n_mb, n_kb = -(-m // TILE), -(-k // TILE)
+    device, fp8, f32 = x.device, q.fp8_dtype, torch.float32
+    row_too = rowwise or mode == "128x128"
+    kernel = cuda_cast.prebuild(mode, fp8, device) if cuda_cast.serves(
+        x.contiguous(), fp8, mode, row_too, columnwise, True, scale_given=False) else None
+    if kernel is None:
+        def tiles(x: torch.Tensor) -> Cast:
+            row, col = triton_cast.cast_tiles(x, fp8, mode, rowwise, columnwise)
+            return (*(row if row is not None else (None, None)), *(col if col is not None else (None, None)), None)
+        return tiles
+    grid = (k // TILE, m // TILE)
+    launch = cuda_cast._launch
+
+    def run(x: torch.Tensor) -> Cast:
+        x = x.contiguous()
+        row = torch.empty((m, k), dtype=fp8, device=device)
+        col = torch.empty((k, m), dtype=fp8, device=device)
+        if mode == "1x128":
+            row_s = torch.empty((n_kb * m,), dtype=f32, device=device)
+            col_s = torch.empty((n_mb, k), dtype=f32, device=device)
+            ptrs = (x.data_ptr(), row.data_ptr(), row_s.data_ptr(), col.data_ptr(), col_s.data_ptr(), x.data_ptr(),
+                    x.data_ptr())
+            launch(kernel, grid, ptrs, m, k, 0)
+            return (row if rowwise else None), row_s.view(n_kb, m).t(), col, col_s.t(), None
+        row_s = torch.empty((n_mb, n_kb), dtype=f32, device=device)
+        col_s = torch.empty((n_mb * n_kb,), dtype=f32, device=device)
+        ptrs = (x.data_ptr(), row.data_ptr(), row_s.data_ptr(), col.data_ptr(), col_s.data_ptr(), x.data_ptr(),
+                x.data_ptr())
+        launch(kernel, grid, ptrs, m, k, 0)
+        return (row if rowwise else None), row_s, col, col_s.view(n_kb, n_mb), None
+    return run
+
+
+def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
+    """Delayed scaling: the step's scale (``_advance``), this cast's amax folded into the
+    history in its launch, the cast with the scale in force (CUDA tile kernel where it serves)."""
+    from ..kernels import cuda_cast, triton_cast
+    from ..kernels.triton_tiles import TILE
+
+    q._to(x.device)
+    if not kernels.amax_folds(x, q.amax_history):
+        return None
+    scales = kernels._scales()
+    m, k = x.shape
+    device, fp8 = x.device, q.fp8_dtype
+    kernel = cuda_cast.prebuild("tensor", fp8, device) if cuda_cast.serves(
+        x.contiguous(), fp8, "tensor", rowwise, columnwise, True, scale_given=True) else None
+    grid = (k // TILE, m // TILE)
+    launch = cuda_cast._launch
+
+    def run(x: torch.Tensor) -> Cast:
+        x = x.contiguous()
+        q._to(x.device)
+        q._advance()
+        hist = q.amax_history
+        if hist.is_contiguous():  # the amax joins the history in its launch
+            scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False, history=hist.unsqueeze(0))
+        else:
+            fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))
+        scale, inv = q.scale, q._scale_inv()
+        if kernel is None:
+            row, col = triton_cast.cast_tiles(x, fp8, "tensor", rowwise, columnwise, scale.float())
+            return (row[0] if row else None), inv, (col[0] if col else None), inv, scale
+        row = torch.empty((m, k), dtype=fp8, device=device)
+        col = torch.empty((k, m), dtype=fp8, device=device)
+        s = scale if scale.dtype == torch.float32 else scale.float()
+        ptrs = (x.data_ptr(), row.data_ptr(), x.data_ptr(), col.data_ptr(), x.data_ptr(), x.data_ptr(), s.data_ptr())
+        launch(kernel, grid, ptrs, m, k, 0)
+        return row, inv, col, inv, scale
+    return run
+
+
+# ---- GEMM routes ----------------------------------------------------------------------------
+def general_gemm(name: str, layouts: tuple[ScaleLayout, ScaleLayout], out_dtype: torch.dtype,
+                 fast_accum: bool) -> GemmRoute:
+    """``gemm`` itself on Operands of the raw tensors (the route's ``general`` attribute says so)."""
+    la, lb = layouts
+
+    def run(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        return gemm(Operand(a, sa, la), Operand(b, sb, lb), out_dtype, name=name, fast_accum=fast_accum)
+    run.general = True  # type: ignore[attr-defined]
+    return run
+
+
+def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> GemmRoute:
+    """The route of ``gemm(a', b', out_dtype)`` for operands like ``a`` and ``b`` (same shapes,
+    dtypes, layouts, device): torch's ``scaled_mm`` called directly for per-tensor and E4M3 block
+    scales, cuBLASLt for HYBRID block scales where ``gemm`` runs them there, else ``gemm``. Every
+    route reports to ``record_gemms`` as ``gemm`` does."""
+    layouts = (a.layout, b.layout)
+    (m, k), (n, _) = a.shape, b.shape
+    backend = gemm_mod.select_backend(a.layout, b.layout, a.data.device, (m, n, k))
+    general = general_gemm(name, layouts, out_dtype, fast_accum)
+    if backend is not Backend.NATIVE or not a.data.is_cuda or not (m and n and k):
+        return general
+    records = gemm_mod._state.records
+    if a.layout is L.TENSOR:
+        def tensorwise(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+            if records:
+                gemm_mod.record(name, backend, layouts, (m, n, k))
+            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return tensorwise
+    if a.layout not in (L.BLOCK_1x128, L.BLOCK_128x128):
+        return general
+    layout_of = gemm_mod._block_scale_layout
+    if gemm_mod._e5m2_blocks(a, b) or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+        if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+            return general  # Triton's GEMM or emulation: gemm decides and records
+
+        def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+            y = torch.empty((m, n), dtype=out_dtype, device=a.device)
+            if not cublaslt.matmul(a, layout_of(Operand(a, sa, layouts[0])), layouts[0], b,
+                                   layout_of(Operand(b, sb, layouts[1])), layouts[1], y):
+                return general(a, sa, b, sb)
+            if records:
+                gemm_mod.record(f"{name}[cublaslt]", backend, layouts, (m, n, k))
+            return y
+        return lt
+    if gemm_mod._BLOCK_OUT_DTYPES.get(out_dtype) != out_dtype:
+        return general  # gemm finds out once whether cuBLAS writes this dtype itself
+    kinds = {L.BLOCK_1x128: F.ScalingType.BlockWise1x128.value, L.BLOCK_128x128: F.ScalingType.BlockWise128x128.value}
+    ka, kb = [kinds[layouts[0]]], [kinds[layouts[1]]]
+    none = [F.SwizzleType.NO_SWIZZLE.value]
+
+    def block(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        if records:
+            gemm_mod.record(name, backend, layouts, (m, n, k))
+        return torch._scaled_mm_v2(a, b.t(), [layout_of(Operand(a, sa, layouts[0]))], ka, none,
+                                   [layout_of(Operand(b, sb, layouts[1]))], kb, none, None, out_dtype)
+    return block

@@ -1,0 +1,146 @@
+"""The lean eager path (ops.lean, ops.routes) against the general one: the same bits, the same
+saved tensors, the same errors; plans only where they apply, a new plan for new settings, and a
+failing route warned about and left for the general path.
+
+On CPU the plans run with ``MEGATRON_FP8_LEAN=1`` (their routes are the general calls there, so
+this checks the autograd function and the plan's bookkeeping); under ``TRITON_INTERPRET=1`` the
+block and delayed casts take their fast (Triton) routes too. tests/test_lean_gpu.py checks the
+fast routes on the GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8 import memory
+from megatron_fp8.ops import lean, routes
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Format
+
+RECIPES = {**{k: PRESETS[k] for k in ("current", "blockwise", "delayed", "mxfp8")},
+           "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID)}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _steps(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, soi: bool, bias: bool, fuse: bool,
+           tokens: int = 128, steps: int = 2) -> tuple[list[torch.Tensor], mf.Linear]:
+    """Two fwd+bwd steps of a fresh layer (same seed): outputs and every gradient."""
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+    torch.manual_seed(1)
+    layer = mf.Linear(256, 128, bias=bias, params_dtype=torch.bfloat16, save_original_input=soi,
+                      fuse_wgrad_accumulation=fuse, name="proj")
+    if fuse:
+        layer.weight.main_grad = torch.zeros(128, 256)
+    x = torch.randn(2, tokens // 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, tokens // 2, 128, dtype=torch.bfloat16)
+    out: list[torch.Tensor] = []
+    for _ in range(steps):
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+        out += [y.detach().clone(), x.grad.clone(), (layer.weight.main_grad if fuse else layer.weight.grad).clone()]
+        if bias:
+            out.append(layer.bias.grad.clone())
+    return out, layer
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_lean_equals_general_bitwise(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
+    for soi, bias, fuse in itertools.product((False, True), repeat=3):
+        general, _ = _steps(monkeypatch, "0", RECIPES[recipe], soi, bias, fuse)
+        planned, layer = _steps(monkeypatch, "1", RECIPES[recipe], soi, bias, fuse)
+        assert len(general) == len(planned)
+        for a, b in zip(general, planned):
+            assert torch.equal(a, b), (recipe, soi, bias, fuse)
+        plans = [p for p in layer._quantizers["weight"].__dict__["_plans"].values() if p is not None]
+        assert len(plans) == 1 and plans[0].proven
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "delayed"])
+@pytest.mark.parametrize("soi", [False, True])
+def test_lean_saves_what_the_general_path_saves(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+    counted = {}
+    for lean_on in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+        torch.manual_seed(0)
+        layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16, save_original_input=soi)
+        x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+        with memory.track_saved_tensors(layer) as saved, mf.fp8_autocast(fp8_recipe=RECIPES[recipe]):
+            y = layer(x)
+        counted[lean_on] = (saved.activation_bytes, saved.parameter_bytes, type(y.grad_fn).__name__)
+    assert counted["0"][:2] == counted["1"][:2]
+    assert counted["0"][2] == "_LinearBackward" and counted["1"][2] == "LeanLinearBackward"
+
+
+def test_plans_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
+    with mf.fp8_autocast(fp8_recipe=PRESETS["blockwise"]):
+        padded = layer(torch.randn(17, 256, dtype=torch.bfloat16, requires_grad=True))  # tokens padded to 128
+        planned = layer(torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True))
+    assert type(padded.grad_fn).__name__ != "LeanLinearBackward"
+    assert type(planned.grad_fn).__name__ == "LeanLinearBackward"
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "auto")  # the default: CUDA inputs only
+    with mf.fp8_autocast(fp8_recipe=PRESETS["blockwise"]):
+        y = layer(torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "_LinearBackward"
+
+
+def test_a_changed_setting_makes_a_new_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        layer(x)
+        layer(x)
+        plans = layer._quantizers["weight"].__dict__["_plans"]
+        assert len(plans) == 1
+        monkeypatch.setenv("MEGATRON_FP8_GEMM_BACKEND", "emulate")
+        layer(x)
+        assert len(plans) == 2
+        with mf.gemm.force_backend("emulate"):  # gemm's own pin is a setting too
+            layer(x)
+        assert len(plans) == 3
+
+
+def test_bad_lean_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "fast")
+    layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="MEGATRON_FP8_LEAN='fast'"), mf.fp8_autocast():
+        layer(torch.randn(128, 256, dtype=torch.bfloat16))
+
+
+def test_a_failing_route_warns_and_the_general_path_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, _ = _steps(monkeypatch, "0", PRESETS["current"], False, True, False, steps=1)
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(routes, "gemm_route", refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback, layer = _steps(monkeypatch, "1", PRESETS["current"], False, True, False, steps=1)
+    said = [str(w.message) for w in caught if "lean FP8 path failed" in str(w.message)]
+    assert len(said) == 1 and "Linear(proj)" in said[0] and "no kernel for this shape" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(reference, fallback))
+    assert list(layer._quantizers["weight"].__dict__["_plans"].values()) == [None]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton cast routes run on CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recipe", ["blockwise", "delayed"])
+def test_fast_cast_routes_under_the_interpreter(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
+    general, _ = _steps(monkeypatch, "0", RECIPES[recipe], False, False, False, steps=1)
+    planned, layer = _steps(monkeypatch, "1", RECIPES[recipe], False, False, False, steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(general, planned))
+    plan = next(p for p in layer._quantizers["weight"].__dict__["_plans"].values() if p is not None)
+    assert not getattr(plan.cast_x, "general", False) and not getattr(plan.dy_route, "general", False)
+
+
+def test_lean_mode_default_is_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEGATRON_FP8_LEAN", raising=False)
+    assert lean.lean_mode() == "auto"

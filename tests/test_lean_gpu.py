@@ -1,0 +1,70 @@
+"""The lean eager path on the GPU: its fast routes (one-launch current cast, CUDA / Triton block
+casts, delayed amax-and-cast, torch's scaled_mm, cuBLASLt for HYBRID blocks) give the general
+path's bits, save the same tensors and report the same GEMMs to ``record_gemms``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Float8CurrentScaling, Format
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RECIPES = {
+    "current": PRESETS["current"],
+    "current-e4m3": Float8CurrentScaling(fp8_format=Format.E4M3),
+    "blockwise": PRESETS["blockwise"],
+    "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID),
+    "delayed": PRESETS["delayed"],
+}
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, soi: bool, bias: bool,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[list[torch.Tensor], list[tuple[str, str]], mf.Linear]:
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+    torch.manual_seed(3)
+    layer = mf.Linear(1024, 512, bias=bias, params_dtype=dtype, device="cuda", save_original_input=soi, name="fc")
+    x = torch.randn(2, 256, 1024, dtype=dtype, device="cuda", requires_grad=True)
+    dy = torch.randn(2, 256, 512, dtype=dtype, device="cuda")
+    out: list[torch.Tensor] = []
+    with mf.gemm.record_gemms() as calls:
+        for _ in range(3):  # the plan's first call, then its prepared launches
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x)
+            y.backward(dy)
+            out += [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
+            if bias:
+                out.append(layer.bias.grad.clone())
+    torch.cuda.synchronize()
+    return out, [(c.name, c.backend.value) for c in calls], layer
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("soi", [False, True])
+def test_lean_equals_general_on_the_gpu(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+    general, general_calls, _ = _run(monkeypatch, "0", RECIPES[recipe], soi, True)
+    planned, planned_calls, layer = _run(monkeypatch, "auto", RECIPES[recipe], soi, True)
+    for i, (a, b) in enumerate(zip(general, planned)):
+        assert torch.equal(a, b), (recipe, soi, i, (a.float() - b.float()).abs().max().item())
+    assert planned_calls == general_calls
+    q = layer._quantizers["weight"]
+    plan = next(p for p in q.__dict__["_plans"].values() if p is not None)
+    assert plan.proven
+    fast = {"cast_x": plan.cast_x, "dy": plan.dy_route, "fprop": plan.fprop, "weight": next(iter(
+        q.weight.__dict__["_lean_routes"].values()))}
+    if not soi:
+        fast["wgrad"] = plan.wgrad_gemm
+    if recipe != "blockwise-hybrid":  # its dgrad/wgrad may run on Triton's GEMM (gemm decides)
+        fast["dgrad"] = plan.dgrad
+    general_routes = [k for k, r in fast.items() if getattr(r, "general", False)]
+    assert not general_routes, f"{recipe}: general routes where fast ones were expected: {general_routes}"
+
+
+def test_lean_fp32_input_takes_the_general_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP32 inputs with a columnwise copy take the compiled reference (``kernels._transpose_ok``):
+    their routes are the general ones, and the bits stay the general path's."""
+    general, _, _ = _run(monkeypatch, "0", PRESETS["current"], False, False, torch.float32)
+    planned, _, _ = _run(monkeypatch, "auto", PRESETS["current"], False, False, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(general, planned))
