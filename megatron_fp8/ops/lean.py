@@ -10,11 +10,12 @@ tests/test_lean.py compares the two paths with ``torch.equal`` for every recipe,
 on and off.
 
 Plans live on the layer's ``LinearQuantizers`` (so a new recipe starts without them), keyed by
-the input's shape, dtype and device, the weight's shape and dtype, the flags and the settings
-(``routes.settings``). ``MEGATRON_FP8_LEAN``: ``auto`` (the default) makes plans for CUDA inputs,
-``1`` on any device (routes there are the general calls: how the CPU tests run this autograd
-function), ``0`` none. A plan's first forward that fails warns once, naming the layer, and the
-general path serves that layer's signature from then on.
+the input's shape, dtype and device, the weight's shape and dtype, the flags, the
+amax-reduction groups and the settings (``routes.settings``). ``MEGATRON_FP8_LEAN``: ``auto``
+(the default) makes plans for CUDA inputs, ``1`` on any device (routes there are the general
+calls: how the CPU tests run this autograd function), ``0`` none. A plan's first forward that
+fails warns once, naming the layer, and the general path serves that layer's signature from
+then on.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
     if plans is None:
         plans = q.__dict__["_plans"] = {}
     key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, soi, wgrad, fuse_wgrad, bias is None,
-           routes.settings())
+           getattr(q.input, "group", None), getattr(q.grad_output, "group", None), routes.settings())
     plan = plans.get(key, _MISSING)
     if plan is _MISSING:
         plan = plans[key] = _make(x, weight, w_fp8, q, soi, wgrad)

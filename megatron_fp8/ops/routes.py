@@ -72,11 +72,12 @@ def general_cast(q: Quantizer, rowwise: bool, columnwise: bool) -> CastRoute:
 def cast_route(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute:
     """The route of ``q.quantize(x', rowwise=, columnwise=)`` for tensors ``x'`` like ``x`` (same
     shape, dtype, device; contiguous): a fast one where this module has it, else the general one.
-    Kept on the quantizer per signature (its own cache, so the weight's cast has one too)."""
+    Kept on the quantizer per signature (its own cache, so the weight's cast has one too); the
+    signature includes the quantizer's amax-reduction group, which a TP layer sets per call."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return general_cast(q, rowwise, columnwise)  # a capture takes the general path's graph routes
     routes: dict[tuple[Any, ...], CastRoute] = q.__dict__.setdefault("_lean_routes", {})
-    key = (x.shape, x.dtype, x.device, rowwise, columnwise, settings())
+    key = (x.shape, x.dtype, x.device, rowwise, columnwise, getattr(q, "group", None), settings())
     route = routes.get(key)
     if route is None:
         route = routes[key] = _fast_cast(q, x, rowwise, columnwise) or general_cast(q, rowwise, columnwise)
