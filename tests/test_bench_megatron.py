@@ -80,6 +80,7 @@ def _trace(tmp: str) -> str:
 
     events = [x("user_annotation", "ProfilerStep#12", 1000.0, 10000.0),
               x("cpu_op", "_Linear", 1100.0, 900.0), x("cpu_op", "_LinearBackward", 5000.0, 1100.0),
+              x("cpu_op", "LeanLinear", 6500.0, 300.0), x("cpu_op", "LeanLinearBackward", 9000.0, 200.0),
               x("cpu_op", "aten::mm", 1200.0, 50.0),
               x("kernel", "_current_persistent_kernel", 1500.0, 500.0),
               x("kernel", "sm90_xmma_gemm_e4m3e4m3_bf16", 2000.0, 3000.0),
@@ -101,7 +102,7 @@ def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
     assert s["gpu busy"] == 6.5  # 1.5-6.0 (the two GEMMs overlap), 7.0-9.0
     assert s["gpu idle"] == 3.5
     assert (s["gemm"], s["fp8 casts"], s["attention"], s["other"]) == (5.0, 0.5, 1.0, 1.0)
-    assert s["host in our layers"] == 2.0
+    assert s["host in our layers"] == 2.5  # _Linear's ranges and the lean path's (ops.lean)
     assert "| rank-0 |" in ts.table({"rank-0": s})
 
 
