@@ -131,6 +131,30 @@ def test_a_failing_route_warns_and_the_general_path_serves(monkeypatch: pytest.M
     assert list(layer._quantizers["weight"].__dict__["_plans"].values()) == [None]
 
 
+def test_a_failing_backward_route_warns_and_the_general_calls_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A route that fails in the plan's first backward (made there: dy's cast, dgrad, wgrad) is
+    replaced by the general call, and the gradients are the general path's."""
+    reference, _ = _steps(monkeypatch, "0", PRESETS["delayed"], False, True, True)
+    made = routes.gemm_route
+
+    def refuses_dgrad(name: str, *args: object, **kwargs: object) -> object:
+        if name == "dgrad":
+            def run(*_: object) -> object:
+                raise RuntimeError("dgrad kernel refused")
+            return run
+        return made(name, *args, **kwargs)
+
+    monkeypatch.setattr(routes, "gemm_route", refuses_dgrad)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planned, layer = _steps(monkeypatch, "1", PRESETS["delayed"], False, True, True)
+    said = [str(w.message) for w in caught if "lean FP8 path failed in backward" in str(w.message)]
+    assert len(said) == 1 and "Linear(proj)" in said[0] and "dgrad kernel refused" in said[0]
+    assert all(torch.equal(a, b) for a, b in zip(reference, planned))  # main_grad added once per step
+    plan = next(p for p in layer._quantizers["weight"].__dict__["_plans"].values() if p is not None)
+    assert plan.backward_proven and getattr(plan.dgrad, "general", False)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="the Triton cast routes run on CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("recipe", ["blockwise", "delayed"])
 def test_fast_cast_routes_under_the_interpreter(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:

@@ -56,7 +56,8 @@ class LinearPlan:
     """The routes of one linear for one input signature: x's cast, the three GEMMs (made at
     their first use, from the operands they first see) and dy's cast."""
 
-    __slots__ = ("q", "soi", "wgrad", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype", "proven")
+    __slots__ = ("q", "soi", "wgrad", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype", "proven",
+                 "backward_proven")
 
     def __init__(self, q: Any, x2d: torch.Tensor, soi: bool, wgrad: bool) -> None:
         self.q, self.soi, self.wgrad = q, soi, wgrad
@@ -67,6 +68,7 @@ class LinearPlan:
         self.dy_route: routes.CastRoute | None = None
         self.out_dtype = x2d.dtype
         self.proven = False  # a forward ran through it
+        self.backward_proven = False  # a backward ran through it
 
 
 def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
@@ -139,46 +141,79 @@ class LeanLinear(torch.autograd.Function):
         from .linear import _accumulate_wgrad
 
         plan: LinearPlan = ctx.plan
-        q = plan.q
         dy = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        weight = ctx.weight
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_dw = need_dw and plan.wgrad
-        *x_saved, w_data, w_sinv = ctx.saved_tensors
-        if need_dx and need_dw:
-            route = plan.dy_route
-            if route is None:
-                route = plan.dy_route = routes.cast_route(q.grad_output, dy, True, True)
-        else:
-            route = routes.general_cast(q.grad_output, need_dx, need_dw)
-        dyr, dyrs, dyc, dycs, _ = route(dy)
-        dx = dw = None
-        if need_dx:
-            dgrad = plan.dgrad if grad_out.dtype == plan.out_dtype else None
-            if dgrad is None:
-                dgrad = routes.gemm_route("dgrad", Operand(dyr, dyrs, q.grad_output.layout),
-                                          Operand(w_data, w_sinv, ctx.w_layout), grad_out.dtype, False)
-                if grad_out.dtype == plan.out_dtype:
-                    plan.dgrad = dgrad
-            dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
-        if need_dw:
-            if plan.soi:  # x's columnwise copy, cast now with the forward's scale (ops.linear._input_columnwise)
-                x = x_saved[0]
-                qt = q.input.quantize(x.reshape(-1, x.shape[-1]), rowwise=False, columnwise=True,
-                                      scale=x_saved[1] if len(x_saved) > 1 else None, record_amax=False)
-                xc, xcs = qt.columnwise.data, qt.columnwise.scale_inv
-            else:
-                xc, xcs = x_saved
-            wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
-            if wgrad is None:
-                wgrad = plan.wgrad_gemm = routes.gemm_route(
-                    "wgrad", Operand(dyc, dycs, q.grad_output.layout), Operand(xc, xcs, q.input.layout),
-                    torch.float32 if ctx.fuse_wgrad else weight.dtype, False)
-            dw = wgrad(dyc, dycs, xc, xcs)
-            if ctx.fuse_wgrad:
-                dw = _accumulate_wgrad(weight, dw)
+        saved = ctx.saved_tensors
+        if plan.backward_proven:
+            dx, dw = _gradients(ctx, plan, dy, grad_out.dtype, saved, need_dx, need_dw)
+        else:  # its first backward: a route this device refuses leaves the general calls in its place
+            try:
+                dx, dw = _gradients(ctx, plan, dy, grad_out.dtype, saved, need_dx, need_dw)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the casts and GEMMs are pure: run them again
+                _warn_failed(plan, exc, "backward")
+                q = plan.q
+                wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weight.dtype
+                plan.dy_route = routes.general_cast(q.grad_output, True, True)
+                plan.dgrad = routes.general_gemm("dgrad", (q.grad_output.layout, ctx.w_layout), plan.out_dtype, False)
+                plan.wgrad_gemm = routes.general_gemm("wgrad", (q.grad_output.layout, q.input.layout), wgrad_dtype,
+                                                      False)
+                dx, dw = _gradients(ctx, plan, dy, grad_out.dtype, saved, need_dx, need_dw)
+            plan.backward_proven = True
+        if dw is not None and ctx.fuse_wgrad:
+            dw = _accumulate_wgrad(ctx.weight, dw)
         db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if (ctx.bias_dtype is not None and need_db) else None
         return dx, dw, db, None, None, None
+
+
+def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dtype, saved: tuple[torch.Tensor, ...],
+               need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dgrad and wgrad on the plan's routes (made at their first use), as ``ops.linear._backward_fp8``
+    computes them."""
+    q = plan.q
+    *x_saved, w_data, w_sinv = saved
+    if need_dx and need_dw:
+        route = plan.dy_route
+        if route is None:
+            route = plan.dy_route = routes.cast_route(q.grad_output, dy, True, True)
+    else:
+        route = routes.general_cast(q.grad_output, need_dx, need_dw)
+    dyr, dyrs, dyc, dycs, _ = route(dy)
+    dx = dw = None
+    if need_dx:
+        dgrad = plan.dgrad if dx_dtype == plan.out_dtype else None
+        if dgrad is None:
+            dgrad = routes.gemm_route("dgrad", Operand(dyr, dyrs, q.grad_output.layout),
+                                      Operand(w_data, w_sinv, ctx.w_layout), dx_dtype, False)
+            if dx_dtype == plan.out_dtype:
+                plan.dgrad = dgrad
+        dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
+    if need_dw:
+        if plan.soi:  # x's columnwise copy, cast now with the forward's scale (ops.linear._input_columnwise)
+            x = x_saved[0]
+            qt = q.input.quantize(x.reshape(-1, x.shape[-1]), rowwise=False, columnwise=True,
+                                  scale=x_saved[1] if len(x_saved) > 1 else None, record_amax=False)
+            xc, xcs = qt.columnwise.data, qt.columnwise.scale_inv
+        else:
+            xc, xcs = x_saved
+        wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
+        if wgrad is None:
+            wgrad = plan.wgrad_gemm = routes.gemm_route(
+                "wgrad", Operand(dyc, dycs, q.grad_output.layout), Operand(xc, xcs, q.input.layout),
+                torch.float32 if ctx.fuse_wgrad else ctx.weight.dtype, False)
+        dw = wgrad(dyc, dycs, xc, xcs)
+    return dx, dw
+
+
+def _warn_failed(plan: LinearPlan, exc: BaseException, where: str) -> None:
+    owner = plan.q.input.name.rsplit(" ", 1)[0]  # the layer ("Linear(proj)") of "Linear(proj) input"
+    warnings.warn(f"megatron_fp8: {owner}: the lean FP8 path failed in {where} ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); "
+                  + ("calls of this shape take the general path" if where == "forward" else
+                     "its backward casts and GEMMs take the general calls from now on")
+                  + " (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=4)
 
 
 def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor,
@@ -189,16 +224,14 @@ def lean_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return LeanLinear.apply(x, weight, bias, w_fp8, plan, fuse_wgrad)
     try:
         y = LeanLinear.apply(x, weight, bias, w_fp8, plan, fuse_wgrad)
-    except (torch.OutOfMemoryError, ValueError, TypeError):
+    except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a route this device refuses: the general path serves it
+        # (an error of the caller's input raises again there, after this warning)
         plans = plan.q.__dict__.get("_plans", {})
         for key in [k for k, p in plans.items() if p is plan]:
             plans[key] = None
-        owner = plan.q.input.name.rsplit(" ", 1)[0]
-        warnings.warn(f"megatron_fp8: {owner}: the lean FP8 path failed ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''}); calls of this shape take the general "
-                      f"path (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=3)
+        _warn_failed(plan, exc, "forward")
         return None
     plan.proven = True
     return y

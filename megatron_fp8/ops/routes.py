@@ -263,9 +263,11 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
     if a.layout not in (L.BLOCK_1x128, L.BLOCK_128x128):
         return general
     layout_of = gemm_mod._block_scale_layout
-    if gemm_mod._e5m2_blocks(a, b) or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+    hybrid = gemm_mod._e5m2_blocks(a, b)
+    if hybrid or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
         if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
             return general  # Triton's GEMM or emulation: gemm decides and records
+        recorded = f"{name}[cublaslt]" if hybrid else name  # as gemm records them
 
         def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
             y = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -273,18 +275,20 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
                                    layout_of(Operand(b, sb, layouts[1])), layouts[1], y):
                 return general(a, sa, b, sb)
             if records:
-                gemm_mod.record(f"{name}[cublaslt]", backend, layouts, (m, n, k))
+                gemm_mod.record(recorded, backend, layouts, (m, n, k))
             return y
         return lt
     if gemm_mod._BLOCK_OUT_DTYPES.get(out_dtype) != out_dtype:
         return general  # gemm finds out once whether cuBLAS writes this dtype itself
-    kinds = {L.BLOCK_1x128: F.ScalingType.BlockWise1x128.value, L.BLOCK_128x128: F.ScalingType.BlockWise128x128.value}
-    ka, kb = [kinds[layouts[0]]], [kinds[layouts[1]]]
-    none = [F.SwizzleType.NO_SWIZZLE.value]
+    st = F.ScalingType
+    kinds = {L.BLOCK_1x128: st.BlockWise1x128, L.BLOCK_128x128: st.BlockWise128x128}
+    ka, kb = kinds[layouts[0]], kinds[layouts[1]]
+    none = F.SwizzleType.NO_SWIZZLE
 
     def block(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
         if records:
             gemm_mod.record(name, backend, layouts, (m, n, k))
-        return torch._scaled_mm_v2(a, b.t(), [layout_of(Operand(a, sa, layouts[0]))], ka, none,
-                                   [layout_of(Operand(b, sb, layouts[1]))], kb, none, None, out_dtype)
+        # F.scaled_mm with gemm._native_block's arguments (its output dtype known to be accepted)
+        return F.scaled_mm(a, b.t(), layout_of(Operand(a, sa, layouts[0])), ka, layout_of(Operand(b, sb, layouts[1])),
+                           kb, swizzle_a=none, swizzle_b=none, output_dtype=out_dtype)
     return block
