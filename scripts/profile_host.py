@@ -6,7 +6,9 @@ On CUDA, host time is the wall time of issuing ``--calls`` back-to-back steps (t
 waited on; device time is given beside it: host >= device means the step is launch-bound). On
 a CPU there is no asynchronous device: the wall time per step is printed (a proxy for Python and
 dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
-measurement in N fresh processes and prints the median of each cell.
+measurement in N fresh processes and prints the median of each cell. The rows marked "general
+path" run our ``Linear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager path), for the
+comparison in the same processes.
 
     python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
 """
@@ -61,6 +63,22 @@ def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: 
     return step
 
 
+def _general(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with ``MEGATRON_FP8_LEAN=0`` (the general path; the setting is read per call),
+    restored after (the two environment writes are inside the timed step)."""
+    def general() -> None:
+        before = os.environ.get("MEGATRON_FP8_LEAN")
+        os.environ["MEGATRON_FP8_LEAN"] = "0"
+        try:
+            step()
+        finally:
+            if before is None:
+                del os.environ["MEGATRON_FP8_LEAN"]
+            else:
+                os.environ["MEGATRON_FP8_LEAN"] = before
+    return general
+
+
 def _grouped_mm_step(x: torch.Tensor, w: torch.Tensor, splits: list[int], dy: torch.Tensor) -> Callable[[], None]:
     offs = torch.tensor(splits, device=x.device).cumsum(0).to(torch.int32)
 
@@ -104,6 +122,8 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     add("our Linear, FP8 off", _fwd_bwd(ours, x, dy, None))
     for name in ("current", "blockwise", "delayed"):
         add(f"our Linear, {name}", _fwd_bwd(ours, x, dy, PRESETS[name]))
+    for name in ("current", "blockwise", "delayed"):  # the same without the lean eager path (ops/lean.py)
+        add(f"our Linear, {name}, general path", _general(_fwd_bwd(ours, x, dy, PRESETS[name])))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
     add("our Linear, blockwise HYBRID", _fwd_bwd(ours, x, dy, Float8BlockScaling(fp8_format=Format.HYBRID)))
     xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
