@@ -168,3 +168,25 @@ def test_fast_cast_routes_under_the_interpreter(monkeypatch: pytest.MonkeyPatch,
 def test_lean_mode_default_is_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGATRON_FP8_LEAN", raising=False)
     assert lean.lean_mode() == "auto"
+
+
+def test_copies_and_pickles_make_their_own_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans and routes hold their quantizers by reference: a deep copy leaves them out (else the
+    copy's steps would update the original's delayed-scaling history), and the layer pickles."""
+    import copy
+    import io
+
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    recipe = PRESETS["delayed"]
+    layer = mf.Linear(256, 128, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        layer(x)
+    twin = copy.deepcopy(layer)
+    before = layer._quantizers["weight"].input.amax_history.clone()
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        twin(x * 4)
+    assert torch.equal(layer._quantizers["weight"].input.amax_history, before)
+    assert not torch.equal(twin._quantizers["weight"].input.amax_history, before)
+    assert "_plans" in twin._quantizers["weight"].__dict__  # its own, made at its first call
+    torch.save(layer, io.BytesIO())

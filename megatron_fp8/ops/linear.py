@@ -43,6 +43,12 @@ class LinearQuantizers:
     weight: Quantizer
     grad_output: Quantizer
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out the lean path's plans (``ops.lean``): their routes hold
+        these quantizers by reference (a copy's plan would update the original's delayed-scaling
+        state) and local functions (which do not pickle). A copy makes its own at its first call."""
+        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
+
 
 def mark_param_derived(qt: QuantizedTensor) -> QuantizedTensor:
     """Tag a weight's FP8 tensors so saved-tensor accounting files them under parameters (and

@@ -152,6 +152,11 @@ class Quantizer(abc.ABC):
     def _new(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QuantizedTensor:
         return QuantizedTensor(x.shape, x.dtype, self.fp8_dtype, scale=scale)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out the lean path's cast routes (``ops.routes.cast_route``):
+        they hold this quantizer by reference and are local functions. A copy makes its own."""
+        return {k: v for k, v in self.__dict__.items() if k != "_lean_routes"}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
