@@ -27,7 +27,8 @@ def test_table_from_two_processes(tmp_path: Path) -> None:
     assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 8  # the table, for ab_env.py
     for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
                   "our Linear, blockwise HYBRID", "our Linear, delayed", "our Linear, current, general path",
-                  "our Linear, blockwise, general path", "our Linear, delayed, general path", "our GroupedLinear, FP8 off, even splits",
+                  "our Linear, blockwise, general path", "our Linear, delayed, general path",
+                  "our GroupedLinear, FP8 off, even splits",
                   "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
                   "our GroupedLinear, current, router splits"):
         row = re.search(rf"^\| {re.escape(label)} \| (\d+) \|", out.stdout, re.M)
