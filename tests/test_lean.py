@@ -191,3 +191,12 @@ def test_copies_and_pickles_make_their_own_plans(monkeypatch: pytest.MonkeyPatch
     assert not torch.equal(twin._quantizers["weight"].input.amax_history, before)
     assert "_plans" in twin._quantizers["weight"].__dict__  # its own, made at its first call
     torch.save(layer, io.BytesIO())
+
+
+def test_dtypes_a_cast_refuses_raise_the_general_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float64 weight (which no FP8 cast takes) raises the general path's TypeError, also where
+    the fast cast routes exist (under the interpreter: they decline it)."""
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    layer = mf.Linear(256, 128, bias=False, params_dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"), mf.fp8_autocast(fp8_recipe=PRESETS["blockwise"]):
+        layer(torch.randn(128, 256, dtype=torch.float64))

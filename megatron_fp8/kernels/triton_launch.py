@@ -140,7 +140,7 @@ class Launcher:
         kept = self.kernels.get(self._key(device, values, kwargs))
         if kept is None or kept.direct is None:
             return None
-        return Prepared(kept, (*grid, 1, 1)[:3], tuple(values[leading:]), device)
+        return Prepared(kept, tuple(grid), tuple(values[leading:]), device)
 
 
 class Prepared:
@@ -148,14 +148,15 @@ class Prepared:
     ``p(*leading)`` launches on the current stream of the device it was prepared on. Where a
     launch hook is registered (a profiler), it goes through Triton's wrapper as ``Launcher`` does."""
 
-    __slots__ = ("kept", "grid", "tail", "device", "stream")
+    __slots__ = ("kept", "grid", "g3", "tail", "device", "stream")
 
     def __init__(self, kept: _Kept, grid: tuple[int, ...], tail: tuple[Any, ...], device: int) -> None:
         self.kept, self.grid, self.tail, self.device = kept, grid, tail, device
+        self.g3 = (*grid, 1, 1)[:3]
         self.stream = triton.runtime.driver.active.get_current_stream
 
     def __call__(self, *leading: Any) -> None:
-        kept, (g0, g1, g2) = self.kept, self.grid
+        kept, (g0, g1, g2) = self.kept, self.g3
         kernel = kept.kernel
         stream = self.stream(self.device)
         hooks = triton.knobs.runtime

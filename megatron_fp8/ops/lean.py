@@ -75,16 +75,18 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
              soi: bool, wgrad: bool, fuse_wgrad: bool) -> LinearPlan | None:
     """The layer's plan for this call, made at its first call; None where the general path
     serves it (padding, a capture, FP8 state it does not cover, the lean path off)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # graphs take the general path's capture routes
     plans: dict[tuple[Any, ...], LinearPlan | None] | None = q.__dict__.get("_plans")
     if plans is None:
         plans = q.__dict__["_plans"] = {}
-    key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, soi, wgrad, fuse_wgrad, bias is None,
-           getattr(q.input, "group", None), getattr(q.grad_output, "group", None), routes.settings())
+    key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, w_fp8.shape[0], w_fp8.rowwise is None,
+           w_fp8.columnwise is None, soi,
+           wgrad, fuse_wgrad, bias is None, getattr(q.input, "group", None), getattr(q.grad_output, "group", None),
+           routes.settings())
     plan = plans.get(key, _MISSING)
     if plan is _MISSING:
         plan = plans[key] = _make(x, weight, w_fp8, q, soi, wgrad)
-    if plan is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None  # graphs take the general path's capture routes
     return plan  # type: ignore[return-value]
 
 
@@ -120,7 +122,9 @@ class LeanLinear(torch.autograd.Function):
         wr, wc = w_fp8.rowwise, w_fp8.columnwise
         fprop = plan.fprop
         if fprop is None:
-            fprop = plan.fprop = routes.gemm_route("fprop", Operand(xr, xrs, plan.q.input.layout), wr, x.dtype, True)
+            fprop = routes.gemm_route("fprop", Operand(xr, xrs, plan.q.input.layout), wr, x.dtype, True)
+            if not getattr(fprop, "relearn", False):
+                plan.fprop = fprop
         y = fprop(xr, xrs, wr.data, wr.scale_inv)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -156,6 +160,9 @@ class LeanLinear(torch.autograd.Function):
                 _warn_failed(plan, exc, "backward")
                 q = plan.q
                 wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weight.dtype
+                cached = q.grad_output.__dict__.get("_lean_routes", {})
+                for key in cached:  # dy's casts too, for every plan of this layer
+                    cached[key] = routes.general_cast(q.grad_output, key[3], key[4])
                 plan.dy_route = routes.general_cast(q.grad_output, True, True)
                 plan.dgrad = routes.general_gemm("dgrad", (q.grad_output.layout, ctx.w_layout), plan.out_dtype, False)
                 plan.wgrad_gemm = routes.general_gemm("wgrad", (q.grad_output.layout, q.input.layout), wgrad_dtype,
@@ -171,25 +178,17 @@ class LeanLinear(torch.autograd.Function):
 def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dtype, saved: tuple[torch.Tensor, ...],
                need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dgrad and wgrad on the plan's routes (made at their first use), as ``ops.linear._backward_fp8``
-    computes them."""
+    computes them, in its order: dy's casts, x's columnwise copy (``save_original_input``), dgrad, wgrad."""
     q = plan.q
     *x_saved, w_data, w_sinv = saved
     if need_dx and need_dw:
         route = plan.dy_route
         if route is None:
             route = plan.dy_route = routes.cast_route(q.grad_output, dy, True, True)
-    else:
-        route = routes.general_cast(q.grad_output, need_dx, need_dw)
+    else:  # one of the two (frozen weight, or an input without grad)
+        route = routes.cast_route(q.grad_output, dy, need_dx, need_dw)
     dyr, dyrs, dyc, dycs, _ = route(dy)
-    dx = dw = None
-    if need_dx:
-        dgrad = plan.dgrad if dx_dtype == plan.out_dtype else None
-        if dgrad is None:
-            dgrad = routes.gemm_route("dgrad", Operand(dyr, dyrs, q.grad_output.layout),
-                                      Operand(w_data, w_sinv, ctx.w_layout), dx_dtype, False)
-            if dx_dtype == plan.out_dtype:
-                plan.dgrad = dgrad
-        dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
+    xc = xcs = None
     if need_dw:
         if plan.soi:  # x's columnwise copy, cast now with the forward's scale (ops.linear._input_columnwise)
             x = x_saved[0]
@@ -198,11 +197,23 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
             xc, xcs = qt.columnwise.data, qt.columnwise.scale_inv
         else:
             xc, xcs = x_saved
+    dx = dw = None
+    if need_dx:
+        dgrad = plan.dgrad if dx_dtype == plan.out_dtype else None
+        if dgrad is None:
+            dgrad = routes.gemm_route("dgrad", Operand(dyr, dyrs, q.grad_output.layout),
+                                      Operand(w_data, w_sinv, ctx.w_layout), dx_dtype, False)
+            if dx_dtype == plan.out_dtype and not getattr(dgrad, "relearn", False):
+                plan.dgrad = dgrad
+        dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
+    if need_dw:
         wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
         if wgrad is None:
-            wgrad = plan.wgrad_gemm = routes.gemm_route(
-                "wgrad", Operand(dyc, dycs, q.grad_output.layout), Operand(xc, xcs, q.input.layout),
-                torch.float32 if ctx.fuse_wgrad else ctx.weight.dtype, False)
+            wgrad = routes.gemm_route("wgrad", Operand(dyc, dycs, q.grad_output.layout),
+                                      Operand(xc, xcs, q.input.layout),
+                                      torch.float32 if ctx.fuse_wgrad else ctx.weight.dtype, False)
+            if not getattr(wgrad, "relearn", False):
+                plan.wgrad_gemm = wgrad
         dw = wgrad(dyc, dycs, xc, xcs)
     return dx, dw
 

@@ -28,7 +28,7 @@ from ..gemm import Backend, gemm
 from ..kernels import cublaslt
 from ..quant import kernels
 from ..quant.block_scaling import Block1DQuantizer, Block2DQuantizer
-from ..quant.formats import ScaleLayout
+from ..quant.formats import HIGH_PRECISION_DTYPES, ScaleLayout
 from ..quant.quantizer import Quantizer, _grouped
 from ..quant.tensor import Operand
 from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer, fold_amax
@@ -87,6 +87,8 @@ def cast_route(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -
 def _fast_cast(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
     if not (kernels._kernel_device(x) and x.dim() == 2 and x.numel() and (rowwise or columnwise)):
         return None
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        return None  # the general cast raises its error
     if not kernels.segments_fused(x, columnwise):
         return None  # the kernels do not serve it here
     if type(q) is CurrentScalingQuantizer and not _grouped(q.group):
@@ -124,9 +126,13 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
                               launch_cooperative_grid=True, **tp._register_cap(warps))
     launch: Any = None
     f32 = torch.float32
+    per_sm = tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM)
+    general = general_cast(q, rowwise, columnwise)
 
     def run(x: torch.Tensor) -> Cast:
         nonlocal launch
+        if not kernels._one_launch.ok or tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM) != per_sm:
+            return general(x)  # the general path's guards turned the one launch off, or cut its grid
         x = x.contiguous()
         row = torch.empty((m, k), dtype=fp8, device=device) if rowwise else x
         col = torch.empty((k, m), dtype=fp8, device=device) if columnwise else x
@@ -135,11 +141,17 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         if launch is not None and x.data_ptr() % 16 == 0:
             launch(x, row, col, scale, inv, x, sync)
         else:  # the first call, or an input the prepared launch's alignment does not cover
-            prepared = tp._PERSISTENT.prepare(grid, 7, x, row, col, scale, inv, x, sync, m, k, n_kb, 1, **kw)
+            try:
+                prepared = tp._PERSISTENT.prepare(grid, 7, x, row, col, scale, inv, x, sync, m, k, n_kb, 1, **kw)
+            except (torch.OutOfMemoryError, ValueError):
+                raise
+            except Exception:  # noqa: BLE001 - a refused grid, a kernel that does not build: the general
+                return general(x)  # path's guards handle both, as kernels._KernelGuard does (and warn)
             if launch is None and x.data_ptr() % 16 == 0:
                 launch = prepared
         s, i = scale.view(()), inv.view(())
-        return (row if rowwise else None), i, (col if columnwise else None), i, s
+        return (row if rowwise else None), (i if rowwise else None), (col if columnwise else None), \
+            (i if columnwise else None), s
     return run
 
 
@@ -187,7 +199,7 @@ def _block_cast(q: Block1DQuantizer | Block2DQuantizer, x: torch.Tensor, rowwise
         ptrs = (x.data_ptr(), row.data_ptr(), row_s.data_ptr(), col.data_ptr(), col_s.data_ptr(), x.data_ptr(),
                 x.data_ptr())
         launch(kernel, grid, ptrs, m, k, 0)
-        return (row if rowwise else None), row_s, col, col_s.view(n_kb, n_mb), None
+        return (row if rowwise else None), (row_s if rowwise else None), col, col_s.view(n_kb, n_mb), None
     return run
 
 
@@ -220,7 +232,8 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         scale, inv = q.scale, q._scale_inv()
         if kernel is None:
             row, col = triton_cast.cast_tiles(x, fp8, "tensor", rowwise, columnwise, scale.float())
-            return (row[0] if row else None), inv, (col[0] if col else None), inv, scale
+            return (row[0] if row else None), (inv if row else None), (col[0] if col else None), \
+                (inv if col else None), scale
         row = torch.empty((m, k), dtype=fp8, device=device)
         col = torch.empty((k, m), dtype=fp8, device=device)
         s = scale if scale.dtype == torch.float32 else scale.float()
@@ -239,6 +252,15 @@ def general_gemm(name: str, layouts: tuple[ScaleLayout, ScaleLayout], out_dtype:
     def run(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
         return gemm(Operand(a, sa, la), Operand(b, sb, lb), out_dtype, name=name, fast_accum=fast_accum)
     run.general = True  # type: ignore[attr-defined]
+    return run
+
+
+def relearning(route: GemmRoute) -> GemmRoute:
+    """``route`` marked to be decided again after its call (see ``gemm_route``)."""
+    def run(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        return route(a, sa, b, sb)
+    run.general = True  # type: ignore[attr-defined]
+    run.relearn = True  # type: ignore[attr-defined]
     return run
 
 
@@ -279,7 +301,11 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
             return y
         return lt
     if gemm_mod._BLOCK_OUT_DTYPES.get(out_dtype) != out_dtype:
-        return general  # gemm finds out once whether cuBLAS writes this dtype itself
+        # gemm finds out once whether cuBLAS writes this dtype itself: until it has, the caller
+        # asks again after each call (``relearn``), so the fast route follows once it knows
+        if out_dtype not in gemm_mod._BLOCK_OUT_DTYPES:
+            return relearning(general)
+        return general
     st = F.ScalingType
     kinds = {L.BLOCK_1x128: st.BlockWise1x128, L.BLOCK_128x128: st.BlockWise128x128}
     ka, kb = kinds[layouts[0]], kinds[layouts[1]]
