@@ -200,3 +200,19 @@ def test_dtypes_a_cast_refuses_raise_the_general_error(monkeypatch: pytest.Monke
     layer = mf.Linear(256, 128, bias=False, params_dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"), mf.fp8_autocast(fp8_recipe=PRESETS["blockwise"]):
         layer(torch.randn(128, 256, dtype=torch.float64))
+
+
+@pytest.mark.distributed
+def test_lean_tensor_parallel_layers_equal_the_general_path() -> None:
+    """Column / row layers at TP=2, SP on and off, every recipe, the flag on and off: the lean path
+    (with the layers' gathers and reductions inside it) gives the general path's bits."""
+    from tests.dist_workers.launch import run_workers
+
+    report = run_workers("lean_tp_worker.py", 2).fail_if_broken()
+    from tests.conftest import RECIPES as WORKER_RECIPES
+
+    cases = 2 * 2 * len(WORKER_RECIPES) * 2  # kind x SP x recipe x flag
+    steps = sum(2 if r == "delayed" else 1 for r in WORKER_RECIPES)
+    assert report["counts"]["lean_ran"] == cases * report["world"]
+    assert report["counts"]["lean"] == 2 * 2 * 2 * steps * 4 * report["world"]
+    assert report["failures"] == 0

@@ -1,13 +1,14 @@
 """The lean eager path of the FP8 linear: a plan per layer and input signature.
 
-``ops.linear._Linear`` serves every case (tensor-parallel communication, token and weight
-padding, any device) and pays for it on every call. A ``LinearPlan`` serves the common one (one
-device's linear, no padding, eager) with routes (``ops.routes``) decided at its first call: x's
-cast, dy's cast and the three GEMMs. Its autograd function saves exactly what ``_Linear`` saves
-(the same tensors of the same casts: ``save_original_input`` and the saved-bytes accounting are
-unchanged) and computes the same bits: the routes launch what the general path launches, and
-tests/test_lean.py compares the two paths with ``torch.equal`` for every recipe, with the flag
-on and off.
+``ops.linear._Linear`` serves every case (token and weight padding, any device, CUDA-graph
+captures) and pays for it on every call. A ``LinearPlan`` serves the common one (no padding,
+eager) with routes (``ops.routes``) decided at its first call: x's cast, dy's cast and the three
+GEMMs; a tensor-parallel layer's communication (``LinearComm``: the FP8 gathers of sequence
+parallelism, the dgrad reduction) runs inside it in ``_Linear``'s order. Its autograd function
+saves exactly what ``_Linear`` saves (the same tensors of the same casts: ``save_original_input``
+and the saved-bytes accounting are unchanged) and computes the same bits: the routes launch what
+the general path launches, and tests/test_lean.py compares the two paths with ``torch.equal`` for
+every recipe, with the flag on and off, on one device and at TP=2.
 
 Plans live on the layer's ``LinearQuantizers`` (so a new recipe starts without them), keyed by
 the input's shape, dtype and device, the weight's shape and dtype, the flags, the
@@ -56,11 +57,11 @@ class LinearPlan:
     """The routes of one linear for one input signature: x's cast, the three GEMMs (made at
     their first use, from the operands they first see) and dy's cast."""
 
-    __slots__ = ("q", "soi", "wgrad", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype", "proven",
-                 "backward_proven")
+    __slots__ = ("q", "soi", "wgrad", "comm", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype",
+                 "proven", "backward_proven")
 
-    def __init__(self, q: Any, x2d: torch.Tensor, soi: bool, wgrad: bool) -> None:
-        self.q, self.soi, self.wgrad = q, soi, wgrad
+    def __init__(self, q: Any, x2d: torch.Tensor, soi: bool, wgrad: bool, comm: Any) -> None:
+        self.q, self.soi, self.wgrad, self.comm = q, soi, wgrad, comm
         self.cast_x = routes.cast_route(q.input, x2d, True, wgrad and not soi)
         self.fprop: routes.GemmRoute | None = None
         self.dgrad: routes.GemmRoute | None = None
@@ -72,7 +73,7 @@ class LinearPlan:
 
 
 def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
-             soi: bool, wgrad: bool, fuse_wgrad: bool) -> LinearPlan | None:
+             soi: bool, wgrad: bool, fuse_wgrad: bool, comm: Any = None) -> LinearPlan | None:
     """The layer's plan for this call, made at its first call; None where the general path
     serves it (padding, a capture, FP8 state it does not cover, the lean path off)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -82,16 +83,16 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
         plans = q.__dict__["_plans"] = {}
     key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, w_fp8.shape[0], w_fp8.rowwise is None,
            w_fp8.columnwise is None, soi,
-           wgrad, fuse_wgrad, bias is None, getattr(q.input, "group", None), getattr(q.grad_output, "group", None),
-           routes.settings())
+           wgrad, fuse_wgrad, bias is None, comm, getattr(q.input, "group", None),
+           getattr(q.grad_output, "group", None), routes.settings())
     plan = plans.get(key, _MISSING)
     if plan is _MISSING:
-        plan = plans[key] = _make(x, weight, w_fp8, q, soi, wgrad)
+        plan = plans[key] = _make(x, weight, w_fp8, q, soi, wgrad, comm)
     return plan  # type: ignore[return-value]
 
 
 def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Any, soi: bool,
-          wgrad: bool) -> LinearPlan | None:
+          wgrad: bool, comm: Any) -> LinearPlan | None:
     lean = lean_mode()
     if lean == "0" or (lean == "auto" and not x.is_cuda) or x.dim() < 1 or x.shape[-1] == 0:
         return None
@@ -106,7 +107,7 @@ def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Any,
             q.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
         except ValueError:
             return None
-    return LinearPlan(q, x.reshape(-1, x.shape[-1]), soi, wgrad)
+    return LinearPlan(q, x.reshape(-1, x.shape[-1]), soi, wgrad, comm)
 
 
 class LeanLinear(torch.autograd.Function):
@@ -119,6 +120,9 @@ class LeanLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         xr, xrs, xc, xcs, xs = plan.cast_x(x2d)
+        if plan.comm is not None:  # sequence parallelism: the rowwise FP8 copy of every rank's tokens
+            row = plan.comm.gather_fp8(Operand(xr, xrs, plan.q.input.layout), columnwise=False).wait()
+            xr, xrs = row.data, row.scale_inv
         wr, wc = w_fp8.rowwise, w_fp8.columnwise
         fprop = plan.fprop
         if fprop is None:
@@ -138,6 +142,8 @@ class LeanLinear(torch.autograd.Function):
         else:
             saved = (xc, xcs)
         ctx.save_for_backward(*saved, wc.data, wc.scale_inv)
+        if plan.comm is not None:
+            return y.reshape(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 may have been gathered
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -197,6 +203,10 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
             xc, xcs = qt.columnwise.data, qt.columnwise.scale_inv
         else:
             xc, xcs = x_saved
+    comm = plan.comm
+    x_pending = dx_pending = None
+    if need_dw and comm is not None:  # gathering x's columnwise copy hides behind dgrad
+        x_pending = comm.gather_fp8(Operand(xc, xcs, q.input.layout), columnwise=True)
     dx = dw = None
     if need_dx:
         dgrad = plan.dgrad if dx_dtype == plan.out_dtype else None
@@ -205,7 +215,14 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
                                       Operand(w_data, w_sinv, ctx.w_layout), dx_dtype, False)
             if dx_dtype == plan.out_dtype and not getattr(dgrad, "relearn", False):
                 plan.dgrad = dgrad
-        dx = dgrad(dyr, dyrs, w_data, w_sinv).reshape(ctx.x_shape)
+        dx = dgrad(dyr, dyrs, w_data, w_sinv)
+        if comm is not None:  # the reduction hides behind wgrad
+            dx_pending = comm.reduce_dgrad(dx)
+        else:
+            dx = dx.reshape(ctx.x_shape)
+    if x_pending is not None:
+        gathered = x_pending.wait()
+        xc, xcs = gathered.data, gathered.scale_inv
     if need_dw:
         wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
         if wgrad is None:
@@ -215,6 +232,8 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
             if not getattr(wgrad, "relearn", False):
                 plan.wgrad_gemm = wgrad
         dw = wgrad(dyc, dycs, xc, xcs)
+    if dx_pending is not None:
+        dx = dx_pending.wait().reshape(ctx.x_shape)
     return dx, dw
 
 

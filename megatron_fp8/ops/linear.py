@@ -336,9 +336,10 @@ def linear(
         # without our autograd function's Python on every call (the eager host cost)
         return F.linear(x, weight, bias)
     wgrad = torch.is_grad_enabled() and weight.requires_grad
-    if quantizers is not None and comm is None:  # one device: the lean path's plan, where it has one
+    if quantizers is not None:  # the lean path's plan, where it has one
         assert w_fp8 is not None
-        plan = plan_for(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation)
+        plan = plan_for(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation,
+                        comm)
         y = lean_linear(x, weight, bias, w_fp8, plan, fuse_wgrad_accumulation) if plan is not None else None
         if y is not None:
             return y
