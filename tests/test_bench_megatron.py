@@ -70,6 +70,21 @@ def test_fp8_variants_pass_megatrons_format_and_recipe() -> None:
     assert formats["megatron-bf16"] is None and formats["ours-bf16"] is None
 
 
+def test_general_path_variants_turn_the_lean_path_off(monkeypatch) -> None:
+    """``ours-<recipe>-general`` runs the same recipe with ``MEGATRON_FP8_LEAN=0`` (what the lean
+    eager path buys in Megatron's loop); every other variant runs the default, whatever the caller's
+    environment says."""
+    import argparse
+
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2)
+    for name in ("ours-tensorwise", "ours-tensorwise-general", "ours-blockwise-general"):
+        v = bm.variants([name])[0]
+        cmd, env = bm._command(args, "dense-1b", v, "")
+        assert env.get("MEGATRON_FP8_LEAN") == ("0" if name.endswith("-general") else None)
+        assert cmd[cmd.index("--fp8-recipe") + 1] == name.split("-")[1]
+
+
 def _trace(tmp: str) -> str:
     """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms, kernels on two streams."""
     import gzip
