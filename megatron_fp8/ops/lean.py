@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..quant.tensor import Operand, QuantizedTensor
 from . import routes
+
+if TYPE_CHECKING:
+    from .linear import LinearQuantizers
 
 _MISSING = object()
 
@@ -60,7 +63,7 @@ class LinearPlan:
     __slots__ = ("q", "soi", "wgrad", "comm", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype",
                  "proven", "backward_proven")
 
-    def __init__(self, q: Any, x2d: torch.Tensor, soi: bool, wgrad: bool, comm: Any) -> None:
+    def __init__(self, q: LinearQuantizers, x2d: torch.Tensor, soi: bool, wgrad: bool, comm: Any) -> None:
         self.q, self.soi, self.wgrad, self.comm = q, soi, wgrad, comm
         self.cast_x = routes.cast_route(q.input, x2d, True, wgrad and not soi)
         self.fprop: routes.GemmRoute | None = None
@@ -72,8 +75,8 @@ class LinearPlan:
         self.backward_proven = False  # a backward ran through it
 
 
-def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
-             soi: bool, wgrad: bool, fuse_wgrad: bool, comm: Any = None) -> LinearPlan | None:
+def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor,
+             q: LinearQuantizers, soi: bool, wgrad: bool, fuse_wgrad: bool, comm: Any = None) -> LinearPlan | None:
     """The layer's plan for this call, made at its first call; None where the general path
     serves it (padding, a capture, FP8 state it does not cover, the lean path off)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -82,8 +85,7 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
     if plans is None:
         plans = q.__dict__["_plans"] = {}
     key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, w_fp8.shape[0], w_fp8.rowwise is None,
-           w_fp8.columnwise is None, soi,
-           wgrad, fuse_wgrad, bias is None, comm, getattr(q.input, "group", None),
+           w_fp8.columnwise is None, soi, wgrad, fuse_wgrad, bias is None, comm, getattr(q.input, "group", None),
            getattr(q.grad_output, "group", None), routes.settings())
     plan = plans.get(key, _MISSING)
     if plan is _MISSING:
@@ -91,7 +93,7 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
     return plan  # type: ignore[return-value]
 
 
-def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Any, soi: bool,
+def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: LinearQuantizers, soi: bool,
           wgrad: bool, comm: Any) -> LinearPlan | None:
     lean = lean_mode()
     if lean == "0" or (lean == "auto" and not x.is_cuda) or x.dim() < 1 or x.shape[-1] == 0:
