@@ -54,10 +54,8 @@ def test_lean_equals_general_on_the_gpu(monkeypatch: pytest.MonkeyPatch, recipe:
     assert plan.proven
     fast = {"cast_x": plan.cast_x, "dy": plan.dy_route, "fprop": plan.fprop, "weight": next(iter(
         q.weight.__dict__["_lean_routes"].values()))}
-    if not soi:
-        fast["wgrad"] = plan.wgrad_gemm
-    if recipe != "blockwise-hybrid":  # its dgrad/wgrad may run on Triton's GEMM (gemm decides)
-        fast["dgrad"] = plan.dgrad
+    if recipe != "blockwise-hybrid":  # its dgrad/wgrad may run on Triton's GEMM (gemm decides, a general route)
+        fast["dgrad"], fast["wgrad"] = plan.dgrad, plan.wgrad_gemm
     general_routes = [k for k, r in fast.items() if getattr(r, "general", False)]
     assert not general_routes, f"{recipe}: general routes where fast ones were expected: {general_routes}"
 
