@@ -13,6 +13,7 @@ the tokens and dy zero-padded to the block (the zero rows add exact zeros to the
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -363,6 +364,47 @@ def test_fused_main_grad_accumulates_per_expert(name: str) -> None:
         assert w.main_grad.abs().sum() > 0 and torch.equal(w.main_grad, p.grad)
     with pytest.raises(RuntimeError, match="main_grad on every expert weight"):
         make(True)(torch.randn(4, K), [2, 2])
+
+
+@pytest.mark.parametrize("recipe", [None, "current", "block"])
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_fused_main_grads_in_one_buffer_take_one_add(order: str, recipe: str | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts' main_grads back to back in one buffer (in expert order, or reversed as Megatron's
+    gradient buffers lay parameters out) get the grouped wgrad in one add where it is one [E, N, K]
+    buffer (FP8 off: torch._grouped_mm's; FP8: the Triton grouped wgrad's, here under Triton's
+    interpreter): the same bits as one add an expert into separate main_grads."""
+    from megatron_fp8.ops import grouped_linear as ops
+
+    splits = [128, 0, 256]
+
+    def make(buffer: bool) -> GroupedLinear:
+        torch.manual_seed(0)
+        layer = GroupedLinear(3, K, N, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+        flat = torch.zeros(3, N, K)
+        for i, w in enumerate(layer.weights):
+            w.main_grad = flat[i if order == "forward" else 2 - i] if buffer else torch.zeros(N, K)
+        return layer
+
+    per_expert = []
+    real = ops._accumulate_wgrad
+    monkeypatch.setattr(ops, "_accumulate_wgrad", lambda w, d: per_expert.append(w) or real(w, d))
+    fused, separate = make(True), make(False)
+    region = (lambda: mf.fp8_autocast(fp8_recipe=RECIPES[recipe])) if recipe else contextlib.nullcontext
+    for step in range(2):
+        x, dy = _data(splits, step)
+        with region():
+            fused(x, splits).backward(dy)
+    one_buffer = recipe is None or os.environ.get("TRITON_INTERPRET") == "1"  # else one wgrad an expert
+    assert not per_expert if one_buffer else len(per_expert) == 6
+    monkeypatch.undo()
+    for step in range(2):
+        x, dy = _data(splits, step)
+        with region():
+            separate(x, splits).backward(dy)
+    for a, b in zip(fused.weights, separate.weights):
+        assert torch.equal(a.main_grad, b.main_grad)
+    assert fused.weights[0].main_grad.abs().sum() > 0 and not fused.weights[1].main_grad.any()
 
 
 def test_skip_bias_add_returns_every_bias_and_repr_shows_flag() -> None:

@@ -62,7 +62,14 @@ from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
-from .linear import LinearQuantizers, _accumulate_wgrad, cast_weight, check_float_input, unpad_wgrad
+from .linear import (
+    LinearQuantizers,
+    _accumulate_wgrad,
+    added_to_main_grad,
+    cast_weight,
+    check_float_input,
+    unpad_wgrad,
+)
 
 __all__ = ["GroupedArgs", "grouped_linear"]
 
@@ -221,8 +228,45 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.has_bias:
             dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(args.m_splits))]
         if args.fuse_wgrad:
-            dws = [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(ctx.weights, dws)]
+            dws = accumulate_experts(ctx.weights, dws)
         return dx, None, *dws, *dbs
+
+
+def _block_of(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    """``(t, step)`` where the equal-shaped contiguous tensors ``ts`` lie back to back in one
+    storage, in order (``step`` 1, ``t`` the first) or in reverse order (``step`` -1, ``t`` the
+    last): each is then ``t.as_strided((len(ts), *shape))[i]`` (in reverse, ``[len - 1 - i]``)."""
+    t0 = ts[0]
+    if not t0.is_contiguous() or any(t.shape != t0.shape or t.dtype != t0.dtype or not t.is_contiguous()
+                                     or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                                     for t in ts):
+        return None
+    size = t0.numel() * t0.element_size()
+    gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(ts, ts[1:])}
+    if gaps == {size}:
+        return t0, 1
+    if gaps == {-size}:
+        return ts[-1], -1
+    return None
+
+
+def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tensor | None]
+                       ) -> list[torch.Tensor | None]:
+    """Megatron's gradient-accumulation fusion for every expert: each ``dw`` added into its weight's
+    ``main_grad`` (``ops.linear._accumulate_wgrad``). Where the ``dw`` are the grouped wgrad's
+    ``[E, N, K]`` buffer in expert order and the ``main_grad`` lie back to back in one buffer (in
+    expert order, or reversed, as Megatron's gradient buffers lay parameters out), that is one
+    add (two reversed) instead of one a expert: the same elementwise sums."""
+    n = len(weights)
+    if n > 1 and all(d is not None for d in dws):
+        grads = _block_of(dws)  # type: ignore[arg-type]
+        mains = _block_of([w.main_grad for w in weights])  # type: ignore[attr-defined]
+        if grads is not None and mains is not None and grads[1] == 1 and mains[0].dtype == grads[0].dtype:
+            shape, stride = (n, *dws[0].shape), (dws[0].numel(), *dws[0].stride())  # type: ignore[union-attr]
+            src = grads[0].as_strided(shape, stride)
+            mains[0].as_strided(shape, stride).add_(src if mains[1] == 1 else src.flip(0))
+            return [added_to_main_grad(w) for w in weights]
+    return [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(weights, dws)]
 
 
 def _grouped_mm_ok(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -265,7 +309,7 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
         dw = torch._grouped_mm(dy.t(), x, offs=ends)  # [E, N, K]
         for i in (i for i, m in enumerate(splits) if m == 0):  # an expert without tokens: zeros, never
             dw[i].zero_()  # what a kernel leaves in a group with nothing to sum (the CPU's are zeros)
-        return dx, [d.to(wgrad_dtype) for d in dw.unbind(0)]
+        return dx, list(dw.to(wgrad_dtype).unbind(0))  # one cast: the experts' grads stay one buffer
     dys, xs = dy.split(splits), x.split(splits)
     dx = torch.cat([d @ w.to(dy.dtype) for d, w in zip(dys, weights)]) if need_dx else None
     dws = [(d.t() @ xi).to(wgrad_dtype) if need_dw else None for d, xi in zip(dys, xs)]

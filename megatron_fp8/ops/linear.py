@@ -119,6 +119,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
     """Megatron's gradient-accumulation fusion: add into ``main_grad``, return a dummy grad."""
     weight.main_grad.add_(dw)  # type: ignore[attr-defined]
+    return added_to_main_grad(weight)
+
+
+def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """What a fused wgrad hands autograd once its gradient is in ``main_grad``: None, or where
+    Megatron tracks it (``grad_added_to_main_grad``) the flag set and a dummy grad."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
