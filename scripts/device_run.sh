@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|host|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -25,6 +25,8 @@ for what in "${steps[@]}"; do
       PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py \
         tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py \
         --deselect tests/test_cublaslt_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    # the lean eager path (ops/lean.py) against the general one on this GPU, bit for bit, fast routes taken
+    lean) python3 -m pytest -q -rs -s -p no:logging tests/test_lean_gpu.py tests/test_lean.py 2>&1 | tee "$OUT/lean_gpu.log" ;;
     # the eager host cost per layer (the host-cost issue's table), median of 3 fresh processes
     host) (cd scripts && python3 profile_host.py --processes 3) 2>&1 | tee "$OUT/profile_host.log" ;;
     # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
