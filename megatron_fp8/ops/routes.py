@@ -85,6 +85,9 @@ def cast_route(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -
 
 
 def _fast_cast(q: Quantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
+    """The fast route of this cast, or None where the general path would take another kernel
+    (or raise): off the kernels' device, dtypes no cast takes, backends pinned elsewhere, amaxes
+    reduced over a group, recipes without a fast route (MXFP8)."""
     if not (kernels._kernel_device(x) and x.dim() == 2 and x.numel() and (rowwise or columnwise)):
         return None
     if x.dtype not in HIGH_PRECISION_DTYPES:
