@@ -1,0 +1,75 @@
+"""Probe: a ``GroupedLinear`` fwd+bwd's own Python and autograd-engine time, on any machine: under
+``TRITON_INTERPRET=1`` the casts and GEMMs take the Triton routes an eager CUDA step takes (less
+the CUDA-only casts: the one-launch current cast, the CUDA tile cast), and every Triton launch
+is a no-op, so what is timed is everything around the kernels. Run it with Triton importable
+(CI's interpreter environment: ``PYTHONPATH=.ci/.triton``).
+
+Found on the CPU (2026-12-05, 8 experts x 128 tokens, K=N=256, BF16, weights cached):
+615 us per fwd+bwd for current scaling, 546 for blockwise, 733 for delayed. Under cProfile
+(current) the autograd engine's own time, its eight weight-gradient accumulations included, is
+~23%; no Python function has more than ~3% of its own; ``torch.empty`` (13 calls a step) ~6%;
+21 environment reads and 16 quantizer-config comparisons a step. A lean path for the grouped
+layer would have to remove most of these small costs; there is no one hot spot.
+
+    PYTHONPATH=.ci/.triton python scripts/probes/grouped_overhead.py [current|blockwise|delayed] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the package reads it
+
+import torch  # noqa: E402
+
+from megatron_fp8.kernels import triton_launch  # noqa: E402
+
+triton_launch.Launcher.__call__ = lambda self, grid, *a, **k: None  # type: ignore[method-assign]
+
+import megatron_fp8 as mf  # noqa: E402
+from megatron_fp8.modules.grouped import GroupedLinear  # noqa: E402
+from megatron_fp8.recipe import PRESETS  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe", nargs="?", default="current", choices=["current", "blockwise", "delayed"])
+    ap.add_argument("--profile", action="store_true", help="cProfile of 200 steps, by own time")
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    e, t, k, n = 8, 128, 256, 256
+    recipe = PRESETS[args.recipe]
+    layer = GroupedLinear(e, k, n, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(e * t, k, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(e * t, n, dtype=torch.bfloat16)
+    splits = [t] * e
+
+    def step() -> None:
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, splits, is_first_microbatch=False)
+        y.backward(dy)
+
+    with mf.fp8_autocast(fp8_recipe=recipe):
+        layer(x, splits, is_first_microbatch=True)
+    for _ in range(20):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    print(f"GroupedLinear, {args.recipe}: {(time.perf_counter() - t0) / args.steps * 1e6:.0f} us per fwd+bwd "
+          f"(Triton launches stubbed)")
+    if args.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(35)
+
+
+if __name__ == "__main__":
+    main()
