@@ -176,15 +176,14 @@ def _block_cast(q: Block1DQuantizer | Block2DQuantizer, x: torch.Tensor, rowwise
     n_mb, n_kb = -(-m // TILE), -(-k // TILE)
     device, fp8, f32 = x.device, q.fp8_dtype, torch.float32
     row_too = rowwise or mode == "128x128"
-    kernel = cuda_cast.prebuild(mode, fp8, device) if cuda_cast.serves(
-        x.contiguous(), fp8, mode, row_too, columnwise, True, scale_given=False) else None
-    if kernel is None:
-        def tiles(x: torch.Tensor) -> Cast:
-            row, col = triton_cast.cast_tiles(x, fp8, mode, rowwise, columnwise)
-            return (*(row if row is not None else (None, None)), *(col if col is not None else (None, None)), None)
+    cuda = cuda_cast.serves(x.contiguous(), fp8, mode, row_too, columnwise, True, scale_given=False) \
+        and cuda_cast.prebuild(mode, fp8, device) is not None
+
+    def tiles(x: torch.Tensor) -> Cast:
+        row, col = triton_cast.cast_tiles(x, fp8, mode, rowwise, columnwise)
+        return (*(row if row is not None else (None, None)), *(col if col is not None else (None, None)), None)
+    if not cuda:
         return tiles
-    grid = (k // TILE, m // TILE)
-    launch = cuda_cast._launch
 
     def run(x: torch.Tensor) -> Cast:
         x = x.contiguous()
@@ -193,15 +192,13 @@ def _block_cast(q: Block1DQuantizer | Block2DQuantizer, x: torch.Tensor, rowwise
         if mode == "1x128":
             row_s = torch.empty((n_kb * m,), dtype=f32, device=device)
             col_s = torch.empty((n_mb, k), dtype=f32, device=device)
-            ptrs = (x.data_ptr(), row.data_ptr(), row_s.data_ptr(), col.data_ptr(), col_s.data_ptr(), x.data_ptr(),
-                    x.data_ptr())
-            launch(kernel, grid, ptrs, m, k, 0)
+            if not cuda_cast.cast(x, fp8, mode, None, 1, row, row_s, col, col_s):
+                return tiles(x)  # as triton_cast._launch does where the kernel cannot be built
             return (row if rowwise else None), row_s.view(n_kb, m).t(), col, col_s.t(), None
         row_s = torch.empty((n_mb, n_kb), dtype=f32, device=device)
         col_s = torch.empty((n_mb * n_kb,), dtype=f32, device=device)
-        ptrs = (x.data_ptr(), row.data_ptr(), row_s.data_ptr(), col.data_ptr(), col_s.data_ptr(), x.data_ptr(),
-                x.data_ptr())
-        launch(kernel, grid, ptrs, m, k, 0)
+        if not cuda_cast.cast(x, fp8, mode, None, 1, row, row_s, col, col_s):
+            return tiles(x)
         return (row if rowwise else None), (row_s if rowwise else None), col, col_s.view(n_kb, n_mb), None
     return run
 
@@ -210,7 +207,6 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
     """Delayed scaling: the step's scale (``_advance``), this cast's amax folded into the
     history in its launch, the cast with the scale in force (CUDA tile kernel where it serves)."""
     from ..kernels import cuda_cast, triton_cast
-    from ..kernels.triton_tiles import TILE
 
     q._to(x.device)
     if not kernels.amax_folds(x, q.amax_history):
@@ -218,10 +214,8 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
     scales = kernels._scales()
     m, k = x.shape
     device, fp8 = x.device, q.fp8_dtype
-    kernel = cuda_cast.prebuild("tensor", fp8, device) if cuda_cast.serves(
-        x.contiguous(), fp8, "tensor", rowwise, columnwise, True, scale_given=True) else None
-    grid = (k // TILE, m // TILE)
-    launch = cuda_cast._launch
+    cuda = cuda_cast.serves(x.contiguous(), fp8, "tensor", rowwise, columnwise, True, scale_given=True) \
+        and cuda_cast.prebuild("tensor", fp8, device) is not None
 
     def run(x: torch.Tensor) -> Cast:
         x = x.contiguous()
@@ -233,16 +227,14 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         else:
             fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))
         scale, inv = q.scale, q._scale_inv()
-        if kernel is None:
-            row, col = triton_cast.cast_tiles(x, fp8, "tensor", rowwise, columnwise, scale.float())
-            return (row[0] if row else None), (inv if row else None), (col[0] if col else None), \
-                (inv if col else None), scale
-        row = torch.empty((m, k), dtype=fp8, device=device)
-        col = torch.empty((k, m), dtype=fp8, device=device)
-        s = scale if scale.dtype == torch.float32 else scale.float()
-        ptrs = (x.data_ptr(), row.data_ptr(), x.data_ptr(), col.data_ptr(), x.data_ptr(), x.data_ptr(), s.data_ptr())
-        launch(kernel, grid, ptrs, m, k, 0)
-        return row, inv, col, inv, scale
+        if cuda:
+            row = torch.empty((m, k), dtype=fp8, device=device)
+            col = torch.empty((k, m), dtype=fp8, device=device)
+            if cuda_cast.cast(x, fp8, "tensor", None, 1, row, None, col, None, scale.float()):
+                return row, inv, col, inv, scale
+        row, col = triton_cast.cast_tiles(x, fp8, "tensor", rowwise, columnwise, scale.float())
+        return (row[0] if row else None), (inv if row else None), (col[0] if col else None), \
+            (inv if col else None), scale
     return run
 
 
