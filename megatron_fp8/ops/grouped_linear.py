@@ -232,24 +232,6 @@ class _GroupedLinear(torch.autograd.Function):
         return dx, None, *dws, *dbs
 
 
-def _block_of(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
-    """``(t, step)`` where the equal-shaped contiguous tensors ``ts`` lie back to back in one
-    storage, in order (``step`` 1, ``t`` the first) or in reverse order (``step`` -1, ``t`` the
-    last): each is then ``t.as_strided((len(ts), *shape))[i]`` (in reverse, ``[len - 1 - i]``)."""
-    t0 = ts[0]
-    if not t0.is_contiguous() or any(t.shape != t0.shape or t.dtype != t0.dtype or not t.is_contiguous()
-                                     or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
-                                     for t in ts):
-        return None
-    size = t0.numel() * t0.element_size()
-    gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(ts, ts[1:])}
-    if gaps == {size}:
-        return t0, 1
-    if gaps == {-size}:
-        return ts[-1], -1
-    return None
-
-
 def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tensor | None]
                        ) -> list[torch.Tensor | None]:
     """Megatron's gradient-accumulation fusion for every expert: each ``dw`` added into its weight's
@@ -258,13 +240,15 @@ def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tens
     expert order, or reversed, as Megatron's gradient buffers lay parameters out), that is one
     add (two reversed) instead of one a expert: the same elementwise sums."""
     n = len(weights)
-    if n > 1 and all(d is not None for d in dws):
-        grads = _block_of(dws)  # type: ignore[arg-type]
-        mains = _block_of([w.main_grad for w in weights])  # type: ignore[attr-defined]
-        if grads is not None and mains is not None and grads[1] == 1 and mains[0].dtype == grads[0].dtype:
-            shape, stride = (n, *dws[0].shape), (dws[0].numel(), *dws[0].stride())  # type: ignore[union-attr]
-            src = grads[0].as_strided(shape, stride)
-            mains[0].as_strided(shape, stride).add_(src if mains[1] == 1 else src.flip(0))
+    if n > 1 and all(d is not None for d in dws) and packed(dws):  # type: ignore[arg-type]
+        mains = [w.main_grad for w in weights]  # type: ignore[attr-defined]
+        src = stacked(dws[0], n)  # type: ignore[arg-type]
+        forward = mains[0].dtype == src.dtype and packed(mains)
+        if forward or (mains[0].dtype == src.dtype and packed(mains[::-1])):
+            if forward:
+                stacked(mains[0], n).add_(src)
+            else:  # the last expert's main_grad first
+                stacked(mains[-1], n).add_(src.flip(0))
             return [added_to_main_grad(w) for w in weights]
     return [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(weights, dws)]
 
