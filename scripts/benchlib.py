@@ -34,6 +34,39 @@ def median_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) 
     return statistics.median(times)
 
 
+def wall_us(fn: Callable[[], object], calls: int, warmup: int = 0) -> float:
+    """Wall-clock microseconds per call of ``fn``, ``calls`` back to back after ``warmup`` (no
+    device synchronisation: on a CPU the whole cost, on CUDA the host's issuing time)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def own_time_profile(fn: Callable[[], object], calls: int, rows: int, sort: str = "tottime") -> str:
+    """cProfile of ``calls`` calls of ``fn``: the top ``rows`` functions by ``sort`` (any pstats
+    key; default their own time), as text. CUDA work is synchronised before and after."""
+    import cProfile
+    import io
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    sync()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(rows)
+    return buf.getvalue()
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """Relative Frobenius error of ``got`` against ``want`` (in FP32)."""
     got, want = got.float(), want.float()

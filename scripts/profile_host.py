@@ -22,11 +22,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
-from benchlib import environment, host_and_device_ms, markdown_table, write_outputs
+from benchlib import environment, host_and_device_ms, markdown_table, wall_us, write_outputs
 
 import megatron_fp8 as mf
 from megatron_fp8.modules.grouped import GroupedLinear
@@ -44,10 +43,7 @@ def _host_device_us(step: Callable[[], None], calls: int) -> tuple[float, float]
     if CUDA:
         host_ms, device_ms = host_and_device_ms(step, n=calls)
         return host_ms * 1e3, device_ms * 1e3
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        step()
-    us = (time.perf_counter() - t0) * 1e6 / calls
+    us = wall_us(step, calls)
     return us, us
 
 

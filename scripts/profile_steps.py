@@ -6,12 +6,8 @@ kernels, for single casts and grouped-layer forwards. Separates launch-bound fro
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
-
 import torch
-from benchlib import host_and_device_ms, markdown_table
+from benchlib import host_and_device_ms, markdown_table, own_time_profile
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_fp8 import Linear, fp8_autocast
@@ -32,16 +28,7 @@ def _host_profile(fn, k: int = 25, sort: str = "tottime") -> str:
     """Python functions by own time (``sort``: any pstats key) over 10 calls (where the host's
     milliseconds go)."""
     fn()
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(10):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(k)
-    return buf.getvalue()
+    return own_time_profile(fn, 10, k, sort)
 
 
 def _syncs(fn) -> str:

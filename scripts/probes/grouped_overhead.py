@@ -17,14 +17,15 @@ layer would have to remove most of these small costs; there is no one hot spot.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
-import time
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the package reads it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
+from benchlib import own_time_profile, wall_us  # noqa: E402
 
 from megatron_fp8.kernels import triton_launch  # noqa: E402
 
@@ -55,21 +56,10 @@ def main() -> None:
 
     with mf.fp8_autocast(fp8_recipe=recipe):
         layer(x, splits, is_first_microbatch=True)
-    for _ in range(20):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    print(f"GroupedLinear, {args.recipe}: {(time.perf_counter() - t0) / args.steps * 1e6:.0f} us per fwd+bwd "
+    print(f"GroupedLinear, {args.recipe}: {wall_us(step, args.steps, warmup=20):.0f} us per fwd+bwd "
           f"(Triton launches stubbed)")
     if args.profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(200):
-            step()
-        pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(35)
-
+        print(own_time_profile(step, 200, 35))
 
 if __name__ == "__main__":
     main()

@@ -11,16 +11,16 @@ against 195 for ``nn.Linear`` with its CPU matmuls; not a GPU number.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MEGATRON_FP8_LEAN", "1")  # plans on this device too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
+from benchlib import own_time_profile, wall_us  # noqa: E402
 
 import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.ops import routes  # noqa: E402
@@ -40,15 +40,6 @@ def _stub_routes() -> None:
 
     routes._fast_cast = cast  # type: ignore[assignment]
     routes.gemm_route = gemm  # type: ignore[assignment]
-
-
-def _us_per_call(step: Callable[[], None], n: int) -> float:
-    for _ in range(50):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t0) / n * 1e6
 
 
 def main() -> None:
@@ -77,15 +68,10 @@ def main() -> None:
 
     with mf.fp8_autocast(fp8_recipe=recipe):
         layer(x, is_first_microbatch=True if args.cached else None)
-    print(f"nn.Linear fwd+bwd {_us_per_call(bf16, args.steps):.1f} us; our Linear, {args.recipe}, routes stubbed "
-          f"{_us_per_call(ours, args.steps):.1f} us")
+    print(f"nn.Linear fwd+bwd {wall_us(bf16, args.steps, warmup=50):.1f} us; our Linear, {args.recipe}, routes "
+          f"stubbed {wall_us(ours, args.steps, warmup=50):.1f} us")
     if args.profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(1000):
-            ours()
-        pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        print(own_time_profile(ours, 1000, 25))
 
 
 if __name__ == "__main__":
