@@ -233,6 +233,22 @@ def _sync_words(device: int, n_seg: int) -> torch.Tensor:
     return buf
 
 
+def launch_options(fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, segmented: bool,
+                   power_2_scale: bool, amax_epsilon: float) -> dict[str, Any]:
+    """The cast's constexprs and warp count (``PHASES`` and the CUDA launch options apart)."""
+    fmax, _, _, out = _fp8_consts(fp8_dtype)
+    return dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=segmented, FMAX=fmax, OUT=out, T=TILE, EPS=float(amax_epsilon),
+                POW2=power_2_scale, BE=128, num_warps=cast_warps("tensor", rowwise, columnwise))
+
+
+def cuda_programs(device: int, warps: int) -> int:
+    """The default grid on CUDA ``device``: ``PROGRAMS_PER_SM`` programs of ``warps`` warps per SM
+    (one where the driver refused that many, ``_per_sm``)."""
+    if device not in _sm_count:
+        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count[device] * _per_sm.get((device, warps), PROGRAMS_PER_SM)
+
+
 def cast_current_persistent(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, *, power_2_scale: bool = False,
     amax_epsilon: float = 0.0, splits: list[int] | None = None, offsets: torch.Tensor | None = None,
@@ -259,14 +275,13 @@ def cast_current_persistent(
     dev = x.device
     row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, splits is not None)
     scale, inv = aligned_scalars(n_seg, dev), aligned_scalars(n_seg, dev)
-    fmax, _, _, out = _fp8_consts(fp8_dtype)
-    warps = cast_warps("tensor", rowwise, columnwise)
+    kw = launch_options(fp8_dtype, rowwise, columnwise, segmented=splits is not None, power_2_scale=power_2_scale,
+                        amax_epsilon=amax_epsilon)
+    warps = kw["num_warps"]
     n_tiles = cdiv(m, TILE) * n_kb
     dummy = x
     args = (x, row if row is not None else dummy, col if col is not None else dummy, scale, inv,
             offsets if offsets is not None else dummy)
-    kw: dict[str, Any] = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=splits is not None, FMAX=fmax, OUT=out,
-                              T=TILE, EPS=float(amax_epsilon), POW2=power_2_scale, BE=128, num_warps=warps)
     if dev.type != "cuda":  # Triton's interpreter
         sync = torch.zeros((4 + n_seg,), dtype=torch.int32, device=dev)
         grid = min(programs or 1, n_tiles)
@@ -274,13 +289,11 @@ def cast_current_persistent(
             _PERSISTENT((grid,), *args, sync, m, k, n_kb, n_seg, **kw, PHASES=phases)
         return row, col, scale, inv
     device = torch.cuda.current_device()  # where the launcher launches
-    if device not in _sm_count:
-        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
     sync = _sync_words(device, n_seg)
     kw.update(PHASES=0, launch_cooperative_grid=True, **_register_cap(warps))
     default = programs is None
     if default:
-        programs = _sm_count[device] * _per_sm.get((device, warps), PROGRAMS_PER_SM)
+        programs = cuda_programs(device, warps)
     try:
         _PERSISTENT((min(programs, n_tiles),), *args, sync, m, k, n_kb, n_seg, **kw)
     except RuntimeError as e:  # the driver refused a grid this large (fewer SMs to this process): one per SM

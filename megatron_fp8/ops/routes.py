@@ -108,7 +108,7 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
     eagerly: its launch prepared once, its sync words and SM count looked up once a call."""
     from ..kernels import triton_cast
     from ..kernels import triton_persistent as tp
-    from ..kernels.triton_tiles import TILE, _fp8_consts, cast_warps
+    from ..kernels.triton_tiles import TILE
 
     if triton_cast.cuda_current_ok(x, q.fp8_dtype, rowwise, columnwise) or not tp.persistent_ok(x) \
             or not kernels._one_launch.ok:
@@ -119,22 +119,19 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
     if device.index != dev:
         return None
     n_kb = -(-k // TILE)
-    warps = cast_warps("tensor", rowwise, columnwise)
-    fmax, _, _, out = _fp8_consts(fp8)
-    if dev not in tp._sm_count:
-        tp._sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (min(tp._sm_count[dev] * tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM), -(-m // TILE) * n_kb),)
-    kw: dict[str, Any] = dict(DO_ROW=rowwise, DO_COL=columnwise, SEG=False, FMAX=fmax, OUT=out, T=TILE,
-                              EPS=float(q.amax_epsilon), POW2=q.power_2_scale, BE=128, num_warps=warps, PHASES=0,
-                              launch_cooperative_grid=True, **tp._register_cap(warps))
+    kw = tp.launch_options(fp8, rowwise, columnwise, segmented=False, power_2_scale=q.power_2_scale,
+                           amax_epsilon=q.amax_epsilon)  # cast_current_persistent's launch, as it makes it
+    warps = kw["num_warps"]
+    kw.update(PHASES=0, launch_cooperative_grid=True, **tp._register_cap(warps))
+    programs = tp.cuda_programs(dev, warps)
+    grid = (min(programs, -(-m // TILE) * n_kb),)
     launch: Any = None
     f32 = torch.float32
-    per_sm = tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM)
     general = general_cast(q, rowwise, columnwise)
 
     def run(x: torch.Tensor) -> Cast:
         nonlocal launch
-        if not kernels._one_launch.ok or tp._per_sm.get((dev, warps), tp.PROGRAMS_PER_SM) != per_sm:
+        if not kernels._one_launch.ok or tp.cuda_programs(dev, warps) != programs:
             return general(x)  # the general path's guards turned the one launch off, or cut its grid
         x = x.contiguous()
         row = torch.empty((m, k), dtype=fp8, device=device) if rowwise else x
