@@ -45,11 +45,16 @@ def lean_mode() -> str:
     return v
 
 
+def _lean_here(t: torch.Tensor) -> bool:
+    """Whether ``MEGATRON_FP8_LEAN`` lets the lean path serve tensors on ``t``'s device."""
+    lean = lean_mode()
+    return lean == "1" or (lean == "auto" and t.is_cuda)
+
+
 def lean_cast(q: Any, w: torch.Tensor) -> QuantizedTensor | None:
     """Both copies of a weight through its route (``routes.cast_route``), where the lean path
     makes plans for ``w``'s device; else None (the caller quantizes)."""
-    lean = lean_mode()
-    if lean == "0" or (lean == "auto" and not w.is_cuda) or w.dim() != 2 or not w.numel():
+    if not _lean_here(w) or w.dim() != 2 or not w.numel():
         return None
     row, row_s, col, col_s, scale = routes.cast_route(q, w, True, True)(w)
     return QuantizedTensor(w.shape, w.dtype, q.fp8_dtype, Operand(row, row_s, q.layout), Operand(col, col_s, q.layout),
@@ -95,18 +100,17 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
 
 def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: LinearQuantizers, soi: bool,
           wgrad: bool, comm: Any) -> LinearPlan | None:
-    lean = lean_mode()
-    if lean == "0" or (lean == "auto" and not x.is_cuda) or x.dim() < 1 or x.shape[-1] == 0:
+    if not _lean_here(x) or x.dim() < 1 or x.shape[-1] == 0:
         return None
     if w_fp8.shape[0] != weight.shape[0] or w_fp8.rowwise is None or w_fp8.columnwise is None:
         return None  # padded weight rows (ops.linear.cast_weight), or a weight cast without both copies
-    tokens = x.numel() // x.shape[-1]
     if wgrad:
-        if tokens % q.input.layout.token_multiple:
+        from .linear import _token_padding, check_wgrad_shapes
+
+        if _token_padding(x, q, comm):
             return None  # the general path pads the tokens
         try:  # the casts backward will do: the general path raises its errors
-            q.input.check_shape((tokens, x.shape[-1]), rowwise=False, columnwise=True)
-            q.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
+            check_wgrad_shapes(x, weight, q)
         except ValueError:
             return None
     return LinearPlan(q, x.reshape(-1, x.shape[-1]), soi, wgrad, comm)

@@ -75,6 +75,14 @@ def _token_padding(x: torch.Tensor, quantizers: LinearQuantizers | None, comm: L
     return (-tokens) % quantizers.input.layout.token_multiple
 
 
+def check_wgrad_shapes(x: torch.Tensor, weight: torch.Tensor, quantizers: LinearQuantizers) -> None:
+    """wgrad contracts over tokens: raise now, in forward, the error of the token-blocked
+    columnwise casts backward would do (x's and dy's)."""
+    tokens = x.numel() // x.shape[-1]
+    quantizers.input.check_shape((tokens, x.shape[-1]), rowwise=False, columnwise=True)
+    quantizers.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
+
+
 def weight_row_padding(quantizer: Quantizer, rows: int) -> int:
     """Zero rows that bring a weight's out features to whole 128x128 blocks (0 for every other
     layout, and where they are whole already)."""
@@ -356,9 +364,6 @@ def linear(
                    comm=comm)
         return y[: y.shape[0] - pad].reshape(*x.shape[:-1], y.shape[-1])
     if quantizers is not None and wgrad:
-        # wgrad contracts over tokens: fail now for the token-blocked casts backward would do
-        tokens = x.numel() // x.shape[-1]
-        quantizers.input.check_shape((tokens, x.shape[-1]), rowwise=False, columnwise=True)
-        quantizers.grad_output.check_shape((tokens, weight.shape[0]), rowwise=False, columnwise=True)
+        check_wgrad_shapes(x, weight, quantizers)
     return _Linear.apply(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad,
                          fuse_wgrad_accumulation, comm)
