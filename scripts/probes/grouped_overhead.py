@@ -4,12 +4,12 @@ the CUDA-only casts: the one-launch current cast, the CUDA tile cast), and every
 is a no-op, so what is timed is everything around the kernels. Run it with Triton importable
 (CI's interpreter environment: ``PYTHONPATH=.ci/.triton``).
 
-Found on the CPU (2026-12-05, 8 experts x 128 tokens, K=N=256, BF16, weights cached):
-615 us per fwd+bwd for current scaling, 546 for blockwise, 733 for delayed. Under cProfile
-(current) the autograd engine's own time, its eight weight-gradient accumulations included, is
-~23%; no Python function has more than ~3% of its own; ``torch.empty`` (13 calls a step) ~6%;
-21 environment reads and 16 quantizer-config comparisons a step. A lean path for the grouped
-layer would have to remove most of these small costs; there is no one hot spot.
+Found on the CPU (2026-12-05, 8 experts x 128 tokens, K=N=256, BF16, weights cached, grads
+reset each step): 472 us per fwd+bwd for current scaling, 373 for blockwise, 714 for delayed
+(readings move ~20% between runs). Under cProfile (current) the autograd engine's own time is
+~8%, ``torch.empty`` (13 calls a step) ~6%, no Python function more than ~3% of its own; 21
+environment reads and 16 quantizer-config comparisons a step. A lean path for the grouped layer
+would have to remove most of these small costs; there is no one hot spot.
 
     PYTHONPATH=.ci/.triton python scripts/probes/grouped_overhead.py [current|blockwise|delayed] [--profile]
 """
@@ -25,13 +25,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the package reads it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
-from benchlib import own_time_profile, wall_us  # noqa: E402
+from benchlib import own_time_profile, train_step, wall_us  # noqa: E402
 
 from megatron_fp8.kernels import triton_launch  # noqa: E402
 
 triton_launch.Launcher.__call__ = lambda self, grid, *a, **k: None  # type: ignore[method-assign]
 
-import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.modules.grouped import GroupedLinear  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
@@ -47,19 +46,13 @@ def main() -> None:
     layer = GroupedLinear(e, k, n, bias=False, params_dtype=torch.bfloat16)
     x = torch.randn(e * t, k, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(e * t, n, dtype=torch.bfloat16)
-    splits = [t] * e
-
-    def step() -> None:
-        with mf.fp8_autocast(fp8_recipe=recipe):
-            y = layer(x, splits, is_first_microbatch=False)
-        y.backward(dy)
-
-    with mf.fp8_autocast(fp8_recipe=recipe):
-        layer(x, splits, is_first_microbatch=True)
+    layer.is_first_microbatch = True  # the first step casts the weights, later ones reuse them
+    step = train_step(layer, x, dy, recipe, splits=[t] * e)
     print(f"GroupedLinear, {args.recipe}: {wall_us(step, args.steps, warmup=20):.0f} us per fwd+bwd "
           f"(Triton launches stubbed)")
     if args.profile:
         print(own_time_profile(step, 200, 35))
+
 
 if __name__ == "__main__":
     main()

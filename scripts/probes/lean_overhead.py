@@ -2,8 +2,9 @@
 GEMM route replaced by a stub that hands back preallocated outputs (no kernel, no matmul), beside
 BF16 ``nn.Linear``'s fwd+bwd (real matmuls) at the same small shape. What is left is the module
 call, the plan lookup, the autograd function and the engine: the part of a step's host time
-that no kernel or launch change touches. Found on the CPU (2026-12-05, 16x128x128, BF16): 105 us
-against 195 for ``nn.Linear`` with its CPU matmuls; not a GPU number.
+that no kernel or launch change touches. Found on the CPU (2026-12-05, 16x128x128, BF16, grads
+reset each step): 88-117 us against 122-130 for ``nn.Linear`` with its CPU matmuls (two runs),
+73 with the FP8 weight reused; not a GPU number.
 
     python scripts/probes/lean_overhead.py [--recipe current] [--cached] [--profile]
 """
@@ -20,7 +21,7 @@ os.environ.setdefault("MEGATRON_FP8_LEAN", "1")  # plans on this device too
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
-from benchlib import own_time_profile, wall_us  # noqa: E402
+from benchlib import own_time_profile, train_step, wall_us  # noqa: E402
 
 import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.ops import routes  # noqa: E402
@@ -56,18 +57,9 @@ def main() -> None:
     x = torch.randn(t, k, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, dtype=torch.bfloat16)
     recipe = PRESETS[args.recipe]
-    first = False if args.cached else None
-
-    def ours() -> None:
-        with mf.fp8_autocast(fp8_recipe=recipe):
-            y = layer(x, is_first_microbatch=first)
-        y.backward(dy)
-
-    def bf16() -> None:
-        ref(x).backward(dy)
-
-    with mf.fp8_autocast(fp8_recipe=recipe):
-        layer(x, is_first_microbatch=True if args.cached else None)
+    if args.cached:  # the first step casts the weight, later ones reuse it (Megatron's attribute)
+        layer.is_first_microbatch = True
+    ours, bf16 = train_step(layer, x, dy, recipe), train_step(ref, x, dy)
     print(f"nn.Linear fwd+bwd {wall_us(bf16, args.steps, warmup=50):.1f} us; our Linear, {args.recipe}, routes "
           f"stubbed {wall_us(ours, args.steps, warmup=50):.1f} us")
     if args.profile:
