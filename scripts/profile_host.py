@@ -7,7 +7,7 @@ waited on; device time is given beside it: host >= device means the step is laun
 a CPU there is no asynchronous device: the wall time per step is printed (a proxy for Python and
 dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
 measurement in N fresh processes and prints the median of each cell. The rows marked "general
-path" run our ``Linear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager path), for the
+path" run our ``Linear`` and ``GroupedLinear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager paths), for the
 comparison in the same processes.
 
     python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
@@ -133,6 +133,11 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     for name in ("current", "blockwise"):
         add(f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped, xe, dye, PRESETS[name], even))
     add("our GroupedLinear, current, router splits", _routed_step(grouped, xe, dye, PRESETS["current"], _routed(t, e)))
+    for name in ("current", "blockwise"):  # the same without the lean grouped path (ops/lean_grouped.py)
+        add(f"our GroupedLinear, {name}, even splits, general path",
+            _general(_fwd_bwd(grouped, xe, dye, PRESETS[name], even)))
+    add("our GroupedLinear, current, router splits, general path",
+        _general(_routed_step(grouped, xe, dye, PRESETS["current"], _routed(t, e))))
     return rows
 
 

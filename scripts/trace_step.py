@@ -119,7 +119,7 @@ KINDS: list[tuple[str, re.Pattern[str]]] = [
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|_kgroup_kernel|_rows_kernel|wgmma|sm90_", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
 ]
-OUR_FUNCTIONS = re.compile(r"^(_Linear|_GroupedLinear|LeanLinear)(Backward)?$")  # ops.linear, ops.lean
+OUR_FUNCTIONS = re.compile(r"^(_Linear|_GroupedLinear|LeanLinear|LeanGrouped)(Backward)?$")  # ops.linear, ops.lean*
 
 
 def load(path: str) -> list[dict]:

@@ -66,3 +66,41 @@ def test_lean_fp32_input_takes_the_general_casts(monkeypatch: pytest.MonkeyPatch
     general, _, _ = _run(monkeypatch, "0", PRESETS["current"], False, False, torch.float32)
     planned, _, _ = _run(monkeypatch, "auto", PRESETS["current"], False, False, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(general, planned))
+
+
+def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, soi: bool, splits: list[list[int]]
+                 ) -> tuple[list[torch.Tensor], list[tuple[str, str]], object]:
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+    torch.manual_seed(5)
+    layer = GroupedLinear(8, 1024, 512, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                          save_original_input=soi, name="fc1")
+    out: list[torch.Tensor] = []
+    with mf.gemm.record_gemms() as calls:
+        for s in splits:  # a new split each step, as a router hands them out (padded to 128 inside)
+            x = torch.randn(sum(s), 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x, s)
+            y.backward(torch.randn_like(y))
+            out += [y.detach().clone(), x.grad.clone(), *[w.grad.clone() for w in layer.weights]]
+    torch.cuda.synchronize()
+    return out, [(c.name, c.backend.value) for c in calls], layer
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "blockwise-hybrid"])
+@pytest.mark.parametrize("soi", [False, True])
+def test_lean_grouped_equals_general_on_the_gpu(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+    """The grouped plan (ops.lean_grouped) with a top-2 router's uneven splits: the general path's
+    bits and GEMM records (every expert GEMM native, on the one-launch Triton kernels)."""
+    from megatron_fp8.testing import router_splits
+
+    splits = [router_splits(2048, 8, 2, seed=s) for s in range(3)]
+    general, general_calls, _ = _grouped_run(monkeypatch, "0", RECIPES[recipe], soi, splits)
+    planned, planned_calls, layer = _grouped_run(monkeypatch, "auto", RECIPES[recipe], soi, splits)
+    for i, (a, b) in enumerate(zip(general, planned)):
+        assert torch.equal(a, b), (recipe, soi, i, (a.float() - b.float()).abs().max().item())
+    assert planned_calls == general_calls
+    assert all(backend == "native" for _, backend in planned_calls)
+    plans = [p for k, p in layer._quantizers["weight0"].__dict__["_plans"].items() if k[0] == "grouped"]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].proven and not plans[0].backward_general

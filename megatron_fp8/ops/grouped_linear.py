@@ -62,6 +62,7 @@ from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
+from .lean_grouped import grouped_plan_for, lean_grouped
 from .linear import (
     LinearQuantizers,
     _accumulate_wgrad,
@@ -491,5 +492,12 @@ def grouped_linear(
                        tuple(quantizers) if quantizers is not None else None,
                        save_original_input, fuse_wgrad_accumulation, name, wgrad)
     bias_list = list(biases) if biases is not None else [None] * n
+    if quantizers is not None and isinstance(w_fp8, Segments) and len({b is None for b in bias_list}) == 1:
+        plan = grouped_plan_for(x2d, weights, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation,
+                                bias_list[0] is not None, name)  # the lean path's plan, where it has one
+        if plan is not None and plan.serves(quantizers, splits):
+            y = lean_grouped(x2d, plan, splits, w_fp8, fuse_wgrad_accumulation, weights, bias_list)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], y.shape[-1])
     y = _GroupedLinear.apply(x2d, args, *weights, *bias_list)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -42,7 +42,7 @@ GemmRoute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 # the settings a route depends on: a plan made under one set is not used under another
 _SETTINGS = ("MEGATRON_FP8_LEAN", "MEGATRON_FP8_CAST_BACKEND", "MEGATRON_FP8_CUDA_CAST", "MEGATRON_FP8_CUDA_CURRENT",
              "MEGATRON_FP8_GEMM_BACKEND", "MEGATRON_FP8_HYBRID_GEMM", "MEGATRON_FP8_BLOCK_GEMM",
-             "MEGATRON_FP8_STRICT", "TRITON_INTERPRET", "CUBLASLT_WORKSPACE_SIZE")
+             "MEGATRON_FP8_STRICT", "MEGATRON_FP8_GROUPED_GEMM", "TRITON_INTERPRET", "CUBLASLT_WORKSPACE_SIZE")
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own store: one dict lookup a setting
 _ENV_KEYS = tuple(os.environ.encodekey(k) for k in _SETTINGS) if hasattr(os.environ, "encodekey") else None
 

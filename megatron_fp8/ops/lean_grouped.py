@@ -1,0 +1,348 @@
+"""The lean eager path of the grouped (MoE expert) linear: a plan per layer and signature.
+
+``ops.grouped_linear._GroupedLinear`` serves every case (padding, per-expert casts, emulation,
+delayed scaling's per-expert histories, CUDA-graph captures) and decides its route again for
+every cast and GEMM: the segmented cast through ``Quantizer.quantize_segments_packed`` (its
+peers compared, its backend read from the environment), each grouped GEMM through
+``gemm_grouped`` (the path's setting, Triton's presence, the operands' packs and scale layouts
+checked). A ``GroupedPlan`` makes those decisions once for a layer and a split-independent
+signature (experts, K, N, dtypes, device, flags, settings) and serves the common eager step:
+
+- current scaling (``CurrentScalingQuantizer``, no amax group) or 1x128 / 128x128 blocks
+  (``Block1DQuantizer`` / ``Block2DQuantizer`` with the fused kernels' options);
+- the experts' FP8 weights as one launch's packs (``Segments``: ``GroupedLinear`` on CUDA);
+- every split a multiple of 128 (positive for current scaling), more than one expert: what the
+  one-launch Triton grouped GEMMs take, and what ``ExpertPadding`` / ``grouped_linear``'s own
+  padding leave on CUDA.
+
+A step then runs the same kernels with the same arguments as the general path (the segmented
+casts, ``triton_grouped.grouped_rows`` / ``grouped_kgroup`` on the casts' buffers), so the same
+bits, and saves the same buffers (the saved-bytes accounting is unchanged); tests/test_lean.py
+compares the two with ``torch.equal`` under Triton's interpreter, tests/test_lean_gpu.py on the
+GPU. Splits vary from step to step; each step's are checked (a few integer tests) and a step
+whose splits the plan does not serve takes the general path.
+
+Where the kernels do not run (a CPU without ``TRITON_INTERPRET=1``) there is no plan. A plan's
+first forward that fails warns once, naming the layer, and the general path serves that
+signature from then on (current and block casts keep no state, so the step runs again there);
+a first backward that fails warns and the plan's backward takes the general helpers
+(``_cast_split``, ``grouped_gemm_cat``, ``grouped_wgrad``) on the same saved buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import gemm as gemm_mod
+from .. import gemm_grouped as gg
+from ..gemm import Backend
+from ..quant import kernels
+from ..quant.block_scaling import Block1DQuantizer, Block2DQuantizer
+from ..quant.formats import ScaleLayout
+from ..quant.quantizer import _grouped
+from ..quant.quantizers import Segments
+from ..quant.tensor import Operands, Pack
+from ..quant.tensor_scaling import CurrentScalingQuantizer
+from . import routes
+from .lean import _lean_here
+
+if TYPE_CHECKING:
+    from .linear import LinearQuantizers
+
+__all__ = ["GroupedPlan", "grouped_plan_for", "lean_grouped"]
+
+L = ScaleLayout
+_MISSING = object()
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the Triton grouped GEMMs write
+
+
+class _Decline(Exception):
+    """A route found this call outside what it serves (a kernel guard turned its path off)."""
+
+
+class GroupedPlan:
+    """The decided routes of one grouped layer for one signature: the recipe's kind (``current``
+    or ``block``), the experts' quantizers (the plan serves these objects only) and the flags."""
+
+    __slots__ = ("quantizers", "blocked", "soi", "wgrad", "k", "n", "name", "proven", "backward_general")
+
+    def __init__(self, quantizers: Sequence[LinearQuantizers], blocked: bool, soi: bool, wgrad: bool, k: int, n: int,
+                 name: str) -> None:
+        self.quantizers = tuple(quantizers)
+        self.blocked, self.soi, self.wgrad, self.k, self.n, self.name = blocked, soi, wgrad, k, n, name
+        self.proven = False  # a forward ran through it
+        self.backward_general = False  # a backward failed on the fast routes: the general helpers serve
+
+    def serves(self, quantizers: Sequence[LinearQuantizers], splits: Sequence[int]) -> bool:
+        """Whether this call's experts and splits are the plan's: the same quantizer objects, every
+        split a multiple of 128 (and positive for current scaling's one-launch cast)."""
+        mine = self.quantizers
+        if len(quantizers) != len(mine) or any(a is not b for a, b in zip(quantizers, mine)):
+            return False
+        if self.blocked:
+            return not any(m % 128 for m in splits)
+        return not any(m <= 0 or m % 128 for m in splits)
+
+
+def grouped_plan_for(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
+                     quantizers: Sequence[LinearQuantizers], soi: bool, wgrad: bool, fuse_wgrad: bool,
+                     has_bias: bool, name: str) -> GroupedPlan | None:
+    """The layer's plan for this signature (kept on the first expert's quantizers with the linear
+    plans, ``ops.lean``), made at its first call; None where the general path serves it."""
+    if x2d.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # graphs take the general path's capture routes (cuBLAS per expert)
+    q0 = quantizers[0]
+    plans: dict[tuple[Any, ...], GroupedPlan | None] | None = q0.__dict__.get("_plans")
+    if plans is None:
+        plans = q0.__dict__["_plans"] = {}
+    w0 = weights[0]
+    key = ("grouped", len(quantizers), x2d.shape[1], x2d.dtype, x2d.device, w0.shape, w0.dtype, soi, wgrad,
+           fuse_wgrad, has_bias, getattr(q0.input, "group", None), getattr(q0.grad_output, "group", None),
+           routes.settings())
+    plan = plans.get(key, _MISSING)
+    if plan is _MISSING or (plan is not None and not _same(plan.quantizers, quantizers)):
+        plan = plans[key] = _make(x2d, weights, w_fp8, quantizers, soi, wgrad, name)
+    return plan  # type: ignore[return-value]
+
+
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(p is q for p, q in zip(a, b))
+
+
+def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
+          quantizers: Sequence[LinearQuantizers], soi: bool, wgrad: bool, name: str) -> GroupedPlan | None:
+    """A plan where the general path would take the segmented casts and the one-launch Triton
+    grouped GEMMs for splits of multiples of 128; else None."""
+    n_exp, dev = len(quantizers), x2d.device
+    if n_exp < 2 or not _lean_here(x2d) or not kernels._kernel_device(x2d) or x2d.dim() != 2:
+        return None
+    if x2d.dtype not in _OUT_DTYPES or not kernels.segments_fused(x2d, True):
+        return None
+    if gg._grouped_backend(dev) not in ("auto", "triton") or not gg._triton_grouped_here(dev):
+        return None
+    q0 = quantizers[0]
+    q_in, q_w, q_dy = q0.input, q0.weight, q0.grad_output
+    for role in ("input", "weight", "grad_output"):
+        if not getattr(q0, role)._peers_match([getattr(q, role) for q in quantizers]):
+            return None
+    rows, cols = w_fp8.rows, w_fp8.cols
+    n, k = weights[0].shape
+    if rows is None or cols is None or rows.splits != (n,) * n_exp or rows.width != k or cols.width != k:
+        return None  # padded weight rows, or not every expert's weight in the packs
+    if not (Pack.of(Operands(rows)) and Pack.of(Operands(cols))):
+        return None
+    if type(q_in) is CurrentScalingQuantizer and type(q_dy) is CurrentScalingQuantizer \
+            and not (_grouped(q_in.group) or _grouped(q_dy.group)) and rows.layout is L.TENSOR:
+        blocked = False
+    elif type(q_in) is Block1DQuantizer and type(q_dy) is Block1DQuantizer and type(q_w) is Block2DQuantizer:
+        if any(not kernels._block_kernel_ok(x2d, True, q.block, q.power_2_scale, q.amax_epsilon) for q in (q_in, q_dy)):
+            return None
+        if n % 128 or k % 128 or rows.layout is not L.BLOCK_128x128 or cols.scale_inv.dim() != 3:
+            return None
+        blocked = True
+    else:
+        return None
+    return GroupedPlan(quantizers, blocked, soi, wgrad, k, n, name)
+
+
+# ---- the steps' routes ------------------------------------------------------------------------
+def _cast(plan: GroupedPlan, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor, rowwise: bool,
+          columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
+    """Every expert's copies of ``t`` in one launch, as ``quantize_segments_packed`` casts them:
+    raw ``(row, row scales, col, col scales, per-tensor scales [E] | None)``."""
+    if plan.blocked:
+        from ..kernels import triton_cast
+
+        row, row_s, col, col_s = triton_cast.cast_segments(t, off, list(splits), q.fp8_dtype, "1x128", rowwise,
+                                                           columnwise)
+        return row, row_s, col, col_s, None
+    out = kernels._current_launches(t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale,
+                                    amax_epsilon=q.amax_epsilon, splits=list(splits), offsets=off)
+    if out is None:
+        raise _Decline("no current-scaling segmented cast builds here")
+    row, col, scale, inv = out
+    return row, inv, col, inv, scale
+
+
+def _record(name: str, layouts: tuple[ScaleLayout, ScaleLayout], mnk: tuple[int, int, int]) -> None:
+    if gemm_mod._state.records:
+        gemm_mod.record(f"{name}[triton]", Backend.NATIVE, layouts, mnk)
+
+
+def _rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, off: torch.Tensor, g: int,
+               n: int, k: int, out_dtype: torch.dtype, blocked: bool, fast_accum: bool) -> torch.Tensor:
+    """``gemm_grouped._grouped_triton_rows`` on a pack's buffers: ``a [M, k]``, ``b`` every
+    expert's ``[n, k]`` back to back."""
+    from ..kernels import triton_grouped
+
+    m = a.numel() // k
+    a_all = a if a.shape == (m, k) else a.as_strided((m, k), (k, 1))
+    return triton_grouped.grouped_rows(a_all, b.as_strided((g, n, k), (n * k, k, 1)), sa, sb, off, out_dtype,
+                                       blocked=blocked, fast_accum=fast_accum)
+
+
+class LeanGrouped(torch.autograd.Function):
+    """``_GroupedLinear``'s FP8 path on a plan: the same kernels, saved buffers and bits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, plan: GroupedPlan, splits: tuple[int, ...], w_fp8: Segments, fuse_wgrad: bool,
+        *params: torch.Tensor | None,
+    ) -> torch.Tensor:
+        g = len(splits)
+        weights, biases = params[:g], params[g:]
+        q_in = plan.quantizers[0].input
+        off = kernels.segment_offsets(splits, x.device)
+        if x.is_cuda:
+            gg._cublas_ready(x.device)  # as gemm_grouped's auto path does: a later capture needs the handle
+        xr, xrs, xc, xcs, xs = _cast(plan, q_in, x, splits, off, True, plan.wgrad and not plan.soi)
+        rows, cols = w_fp8.rows, w_fp8.cols
+        assert rows is not None and cols is not None
+        m, n, k = sum(splits), plan.n, plan.k
+        _record("fprop", (q_in.layout, rows.layout), (m, n, k))
+        y = _rows_gemm(xr, xrs, rows.data, rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True)
+        if biases and biases[0] is not None:
+            for yi, b in zip(y.split(list(splits)), biases):
+                yi.add_(b.to(yi.dtype))  # type: ignore[union-attr]
+        ctx.plan, ctx.splits, ctx.weights, ctx.fuse_wgrad = plan, splits, weights, fuse_wgrad
+        ctx.bias_dtype = biases[0].dtype if biases and biases[0] is not None else None
+        ctx.w_layout = cols.layout
+        if not plan.wgrad:
+            saved: tuple[torch.Tensor, ...] = ()
+        elif plan.soi:
+            saved = (x, xs) if xs is not None else (x,)
+        else:
+            saved = (xc, xcs)
+        ctx.save_for_backward(*saved, cols.data, cols.scale_inv)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: GroupedPlan = ctx.plan
+        g = len(ctx.splits)
+        dy = grad_out.contiguous()
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = plan.wgrad and any(ctx.needs_input_grad[5 : 5 + g])
+        wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weights[0].dtype
+        saved = ctx.saved_tensors
+        if plan.backward_general:
+            dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
+        else:
+            try:
+                dx, dws = _gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
+                if not isinstance(exc, _Decline):  # (a declined cast: its kernel guard has warned)
+                    _warn_failed(plan, exc, "backward")
+                plan.backward_general = True
+                dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
+        dbs: list[torch.Tensor | None] = [None] * g
+        if ctx.bias_dtype is not None:
+            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(ctx.splits))]
+        if ctx.fuse_wgrad and need_dw:
+            from .grouped_linear import accumulate_experts
+
+            dws = accumulate_experts(ctx.weights, dws)
+        return dx, None, None, None, None, *dws, *dbs
+
+
+def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
+               wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
+               ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """dgrad and wgrad as ``grouped_linear._backward_fp8`` computes them, in its order: dy's
+    casts, dgrad, x's columnwise copy (``save_original_input``), wgrad."""
+    splits, g = ctx.splits, len(ctx.splits)
+    q0 = plan.quantizers[0]
+    q_in, q_dy = q0.input, q0.grad_output
+    *x_saved, wc, wcs = saved
+    dx = None
+    dws: list[torch.Tensor | None] = [None] * g
+    if not (need_dx or need_dw):
+        return dx, dws
+    if dy.dtype not in _OUT_DTYPES or wgrad_dtype not in _OUT_DTYPES:
+        raise _Decline(f"dtypes {dy.dtype} / {wgrad_dtype}")
+    off = kernels.segment_offsets(splits, dy.device)
+    if dy.is_cuda:
+        gg._cublas_ready(dy.device)
+    dyr, dyrs, dyc, dycs, _ = _cast(plan, q_dy, dy, splits, off, need_dx, need_dw)
+    m, n, k = sum(splits), plan.n, plan.k
+    if need_dx:  # dy [M, N] against each expert's columnwise weight [K, N]
+        _record("dgrad", (q_dy.layout, ctx.w_layout), (m, k, n))
+        dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False)
+    if need_dw:
+        from ..kernels import triton_grouped
+
+        if plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
+            x = x_saved[0]
+            if plan.blocked:
+                from ..kernels import triton_cast
+
+                _, _, xc, xcs = triton_cast.cast_segments(x, off, list(splits), q_in.fp8_dtype, "1x128", False, True)
+            else:
+                scale = x_saved[1]
+                xcs = kernels.aligned_reciprocal(scale)
+                _, xc = kernels.cast_tensorwise_segments(x, splits, scale, q_in.fp8_dtype, False, True)
+        else:
+            xc, xcs = x_saved
+        _record("wgrad", (q_dy.layout, q_in.layout), (n, k, m))
+        dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked)
+        dws = list(dw.unbind(0))
+    return dx, dws
+
+
+def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
+                       wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
+                       ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """The same gradients through the general helpers, on Operands of the saved buffers."""
+    from .grouped_linear import _cast_split, _roles
+
+    splits, g = ctx.splits, len(ctx.splits)
+    qs = plan.quantizers
+    *x_saved, wc, wcs = saved
+    w_cols = Operands(Pack(wc, wcs, (plan.n,) * g, plan.k, ctx.w_layout, True))
+    dy_rows, dy_cols, _ = _cast_split(_roles(qs, "grad_output"), dy, splits, rowwise=need_dx, columnwise=need_dw)
+    dx = gg.grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad") if need_dx else None
+    dws: list[torch.Tensor | None] = [None] * g
+    if need_dw:
+        if plan.soi:
+            scales = list(x_saved[1].unbind(0)) if len(x_saved) > 1 else None
+            _, x_cols, _ = _cast_split(_roles(qs, "input"), x_saved[0], splits, rowwise=False, columnwise=True,
+                                       scales=scales)
+        else:
+            x_cols = Operands(Pack(x_saved[0], x_saved[1], tuple(splits), plan.k, qs[0].input.layout, True))
+        dws = list(gg.grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad"))  # type: ignore[arg-type]
+    return dx, dws
+
+
+def _warn_failed(plan: GroupedPlan, exc: BaseException, where: str) -> None:
+    warnings.warn(f"megatron_fp8: {plan.name}: the lean grouped FP8 path failed in {where} ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); "
+                  + ("calls of this shape take the general path" if where == "forward" else
+                     "its backward casts and GEMMs take the general calls from now on")
+                  + " (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=4)
+
+
+def lean_grouped(x2d: torch.Tensor, plan: GroupedPlan, splits: tuple[int, ...], w_fp8: Segments, fuse_wgrad: bool,
+                 weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``LeanGrouped`` on ``plan``; its first forward, if it fails, warns (naming the layer),
+    retires the plan for this signature and returns None (the caller runs the general path)."""
+    if plan.proven:
+        return LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, *weights, *biases)
+    try:
+        y = LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, *weights, *biases)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a route this device refuses: the general path serves it
+        plans = plan.quantizers[0].__dict__.get("_plans", {})
+        for key in [k for k, p in plans.items() if p is plan]:
+            plans[key] = None
+        if not isinstance(exc, _Decline):
+            _warn_failed(plan, exc, "forward")
+        return None
+    plan.proven = True
+    return y

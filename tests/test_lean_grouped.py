@@ -1,0 +1,146 @@
+"""The lean grouped path (ops.lean_grouped) against the general one: the same bits and saved
+bytes, plans only where they apply, and a failing route warned about and left for the general
+path. Its routes are Triton's segmented casts and grouped GEMMs, which run on CPU only under
+``TRITON_INTERPRET=1`` (CI's interpreter phase); tests/test_lean_gpu.py runs them on the GPU."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import warnings
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8 import memory
+from megatron_fp8.modules.grouped import GroupedLinear
+from megatron_fp8.ops import lean_grouped
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Format
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the grouped routes run on CPU only under TRITON_INTERPRET=1")
+
+RECIPES = {"current": PRESETS["current"], "blockwise": PRESETS["blockwise"],
+           "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID)}
+SPLITS = {"current": [128, 256, 128], "blockwise": [0, 256, 128], "blockwise-hybrid": [128, 0, 256]}
+
+
+def _steps(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, splits: list[int], soi: bool = False,
+           bias: bool = False, fuse: bool = False) -> tuple[list[torch.Tensor], GroupedLinear, str]:
+    """Two fwd+bwd steps of a fresh layer (same seed): outputs and every gradient, and the name
+    of the autograd node that made the last output."""
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+    torch.manual_seed(2)
+    e = len(splits)
+    layer = GroupedLinear(e, 256, 128, bias=bias, params_dtype=torch.bfloat16, save_original_input=soi,
+                          fuse_wgrad_accumulation=fuse, name="fc1")
+    if fuse:
+        main = torch.zeros(e, 128, 256)
+        for w, m in zip(layer.weights, main):
+            w.main_grad = m
+    x = torch.randn(sum(splits), 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(sum(splits), 128, dtype=torch.bfloat16)
+    out: list[torch.Tensor] = []
+    node = ""
+    for _ in range(2):
+        with mf.fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, splits)
+        node = type(y.grad_fn.next_functions[0][0]).__name__
+        y.backward(dy)
+        out += [y.detach().clone(), x.grad.clone(), *[(w.main_grad if fuse else w.grad).clone() for w in layer.weights]]
+        if bias:
+            out += [b.grad.clone() for b in layer.biases]
+    return out, layer, node
+
+
+def _plans(layer: GroupedLinear) -> list[lean_grouped.GroupedPlan | None]:
+    q = layer._quantizers["weight0"]
+    return [p for k, p in q.__dict__.get("_plans", {}).items() if k[0] == "grouped"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_lean_grouped_equals_general_bitwise(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
+    for soi, bias, fuse in itertools.product((False, True), repeat=3):
+        general, _, g_node = _steps(monkeypatch, "0", RECIPES[recipe], SPLITS[recipe], soi, bias, fuse)
+        planned, layer, p_node = _steps(monkeypatch, "1", RECIPES[recipe], SPLITS[recipe], soi, bias, fuse)
+        assert (g_node, p_node) == ("_GroupedLinearBackward", "LeanGroupedBackward")
+        assert len(general) == len(planned)
+        for i, (a, b) in enumerate(zip(general, planned)):
+            assert torch.equal(a, b), (recipe, soi, bias, fuse, i)
+        plans = _plans(layer)
+        assert len(plans) == 1 and plans[0] is not None and plans[0].proven
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+@pytest.mark.parametrize("soi", [False, True])
+def test_lean_grouped_saves_what_the_general_path_saves(monkeypatch: pytest.MonkeyPatch, recipe: str,
+                                                        soi: bool) -> None:
+    counted = {}
+    for lean_on in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+        torch.manual_seed(0)
+        layer = GroupedLinear(2, 256, 128, bias=False, params_dtype=torch.bfloat16, save_original_input=soi)
+        x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+        with memory.track_saved_tensors(layer) as saved, mf.fp8_autocast(fp8_recipe=RECIPES[recipe]):
+            layer(x, [128, 128])
+        counted[lean_on] = (saved.activation_bytes, saved.parameter_bytes)
+    assert counted["0"] == counted["1"]
+    assert counted["1"][0] > 0
+
+
+def test_plans_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits the one-launch GEMMs do not take (on CPU nothing pads them), current scaling with an
+    expert without tokens, delayed scaling and FP8 off take the general path; the plan stays and
+    serves the next aligned call."""
+    _, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [100, 156])
+    assert node == "_GroupedLinearBackward"
+    _, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [0, 256])
+    assert node == "_GroupedLinearBackward" and _plans(layer)[0] is not None
+    x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        y = layer(x, [128, 128])
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "LeanGroupedBackward"
+    _, layer, node = _steps(monkeypatch, "1", PRESETS["delayed"], [128, 128])
+    assert node == "_GroupedLinearBackward" and _plans(layer) == [None]
+    _, _, node = _steps(monkeypatch, "0", PRESETS["current"], [128, 128])
+    assert node == "_GroupedLinearBackward"
+
+
+def test_a_failing_forward_route_warns_and_the_general_path_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    general, _, _ = _steps(monkeypatch, "0", PRESETS["blockwise"], [128, 128])
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("this device refuses the grouped GEMM")
+
+    monkeypatch.setattr(lean_grouped, "_rows_gemm", refuse)
+    with pytest.warns(RuntimeWarning, match=r"fc1.*lean grouped FP8 path failed in forward"):
+        planned, layer, node = _steps(monkeypatch, "1", PRESETS["blockwise"], [128, 128])
+    assert node == "_GroupedLinearBackward" and _plans(layer) == [None]
+    assert all(torch.equal(a, b) for a, b in zip(general, planned))
+
+
+def test_a_failing_backward_route_warns_and_the_general_calls_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    for soi in (False, True):
+        general, _, _ = _steps(monkeypatch, "0", PRESETS["current"], [128, 256], soi)
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("this device refuses the wgrad")
+
+        with monkeypatch.context() as m:
+            m.setattr(lean_grouped, "_gradients", refuse)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                planned, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [128, 256], soi)
+        assert node == "LeanGroupedBackward"
+        assert [str(w.message) for w in caught if "failed in backward" in str(w.message)]
+        assert _plans(layer)[0].backward_general
+        assert all(torch.equal(a, b) for a, b in zip(general, planned)), soi
+
+
+def test_copies_make_their_own_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, layer, _ = _steps(monkeypatch, "1", PRESETS["current"], [128, 128])
+    assert _plans(layer)
+    twin = copy.deepcopy(layer)
+    assert "_plans" not in twin._quantizers["weight0"].__dict__
