@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -29,6 +29,10 @@ for what in "${steps[@]}"; do
     lean) python3 -m pytest -q -rs -s -p no:logging tests/test_lean_gpu.py tests/test_lean.py 2>&1 | tee "$OUT/lean_gpu.log" ;;
     # the eager host cost per layer (the host-cost issue's table), median of 3 fresh processes
     host) (cd scripts && python3 profile_host.py --processes 3) 2>&1 | tee "$OUT/profile_host.log" ;;
+    # where the host time of one step goes (torch.profiler, CPU ops): the grouped rows (FP8 off
+    # against torch._grouped_mm first: same GEMMs, 6.5x the host time in run AD) and Linear
+    hostwhy) (cd scripts/probes && python3 host_breakdown.py grouped-bf16 grouped-off grouped-current grouped-blockwise \
+        bf16 current --steps 30 --rows 40) 2>&1 | tee "$OUT/host_breakdown.log" ;;
     # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
     hostab) (cd scripts/probes && python3 ab_env.py --set MEGATRON_FP8_BLOCK_GEMM=torch --set MEGATRON_FP8_BLOCK_GEMM=cublaslt \
         --rounds 3 --key layer --column "host us per fwd+bwd" --match "Linear" -- ../profile_host.py) 2>&1 | tee "$OUT/ab_block_gemm.log" ;;

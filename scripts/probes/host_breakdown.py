@@ -6,7 +6,14 @@ runtime/driver call and per autograd function (its own Python). ``--tool cprofil
 Python functions by own time. Found on the H200 (docs/benchmarks.md run AD): our autograd
 function's own Python ~490 us a step, torch's ``_scaled_mm`` ~75 us a call.
 
-    python scripts/probes/host_breakdown.py [bf16 current blockwise delayed] [--tool torch|cprofile]
+The ``grouped-*`` cases do the same for the host-cost table's grouped rows (8 experts x 256
+tokens, K=N=2048): ``grouped-bf16`` is ``torch._grouped_mm`` on one ``[8, N, K]`` weight,
+``grouped-off`` our ``GroupedLinear`` with FP8 off (the table's 1605 against 246 us in run AD,
+with the same ``_grouped_mm`` calls: the profile says where the rest goes), ``grouped-current``
+and ``grouped-blockwise`` with FP8. Grads are not reset between steps, as in the table.
+
+    python scripts/probes/host_breakdown.py [bf16 current blockwise delayed grouped-bf16 grouped-off
+        grouped-current grouped-blockwise] [--tool torch|cprofile]
 """
 
 from __future__ import annotations
@@ -23,8 +30,40 @@ import megatron_fp8 as mf
 from megatron_fp8.recipe import PRESETS
 
 
+def make_grouped_step(name: str, device: str) -> Callable[[], None]:
+    """One fwd+bwd of the grouped case ``grouped-<bf16|off|recipe>`` (module docstring)."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    e, t, k, n, dt = 8, 256, 2048, 2048, torch.bfloat16
+    x = torch.randn(e * t, k, dtype=dt, device=device, requires_grad=True)
+    dy = torch.randn(e * t, n, dtype=dt, device=device)
+    splits = [t] * e
+    kind = name.removeprefix("grouped-")
+    if kind == "bf16":
+        w = torch.randn(e, n, k, dtype=dt, device=device, requires_grad=True)
+        offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+
+        def ref() -> None:
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy)
+        return ref
+    layer = GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=device)
+    recipe = None if kind == "off" else PRESETS[kind]
+
+    def step() -> None:
+        if recipe is None:
+            y = layer(x, splits)
+        else:
+            with mf.fp8_autocast(fp8_recipe=recipe):
+                y = layer(x, splits)
+        y.backward(dy)
+    return step
+
+
 def make_step(name: str, device: str) -> Callable[[], None]:
-    """One fwd+bwd of a fresh layer: ``nn.Linear`` for ``bf16``, else ours under preset ``name``."""
+    """One fwd+bwd of a fresh layer: ``nn.Linear`` for ``bf16``, ours under preset ``name``, or
+    a grouped case (``make_grouped_step``)."""
+    if name.startswith("grouped-"):
+        return make_grouped_step(name, device)
     if name == "bf16":
         layer: torch.nn.Module = torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device=device)
     else:
