@@ -144,3 +144,73 @@ def test_copies_make_their_own_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _plans(layer)
     twin = copy.deepcopy(layer)
     assert "_plans" not in twin._quantizers["weight0"].__dict__
+
+
+def _one_step(monkeypatch: pytest.MonkeyPatch, lean_on: str, soi: bool, hooks: bool = False,
+              backward_env: dict[str, str] | None = None) -> tuple[list[torch.Tensor], list[str], str]:
+    """One current-scaling step with [128, 256] splits: outputs, grads, the GEMMs recorded and the
+    autograd node; ``hooks``: saved tensors copied (as CPU offload does); ``backward_env``:
+    settings changed between forward and backward."""
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+    torch.manual_seed(4)
+    layer = GroupedLinear(2, 256, 128, bias=False, params_dtype=torch.bfloat16, save_original_input=soi, name="fc2")
+    x = torch.randn(384, 256, dtype=torch.bfloat16, requires_grad=True)
+    with mf.gemm.record_gemms() as calls:
+        with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+            if hooks:
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                    y = layer(x, [128, 256])
+            else:
+                y = layer(x, [128, 256])
+        with monkeypatch.context() as m:
+            for k, v in (backward_env or {}).items():
+                m.setenv(k, v)
+            y.backward(torch.ones_like(y))
+    node = type(y.grad_fn.next_functions[0][0]).__name__
+    return [y.detach(), x.grad, *[w.grad for w in layer.weights]], [f"{c.name} {c.backend.value}" for c in calls], node
+
+
+@pytest.mark.parametrize("soi", [False, True])
+def test_copying_saved_tensor_hooks_change_nothing(monkeypatch: pytest.MonkeyPatch, soi: bool) -> None:
+    """A hook that copies what is saved hands back the experts' per-tensor scales packed, not 16
+    bytes apart: the lean backward realigns them, as the general path does."""
+    general, _, _ = _one_step(monkeypatch, "0", soi, hooks=True)
+    planned, _, node = _one_step(monkeypatch, "1", soi, hooks=True)
+    assert node == "LeanGroupedBackward"
+    assert all(torch.equal(a, b) for a, b in zip(general, planned))
+
+
+def test_gemms_recorded_as_the_general_path_records_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, general_calls, _ = _one_step(monkeypatch, "0", False)
+    _, planned_calls, node = _one_step(monkeypatch, "1", False)
+    assert node == "LeanGroupedBackward" and planned_calls == general_calls
+    assert [c.split("[")[0] for c in planned_calls] == ["fprop", "dgrad", "wgrad"]
+
+
+def test_a_backward_under_other_settings_takes_the_general_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_GROUPED_GEMM=loop`` set between forward and backward: the general path's
+    backward runs one GEMM per expert; so does the lean one, for that call."""
+    env = {"MEGATRON_FP8_GROUPED_GEMM": "loop"}
+    general, general_calls, _ = _one_step(monkeypatch, "0", False, backward_env=env)
+    planned, planned_calls, node = _one_step(monkeypatch, "1", False, backward_env=env)
+    assert node == "LeanGroupedBackward" and planned_calls == general_calls
+    assert not any("dgrad[triton]" in c for c in planned_calls)
+    assert all(torch.equal(a, b) for a, b in zip(general, planned))
+
+
+def test_a_cast_turned_off_later_retires_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel guard that turns the one-launch current cast off after a plan has run (a failure
+    on another shape): the next call retires the plan, silently (the guard has warned), and the
+    general path casts in its fallback launches."""
+    from megatron_fp8.quant import kernels
+
+    _, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [128, 128])
+    assert node == "LeanGroupedBackward"
+    monkeypatch.setattr(kernels, "_current_launches", lambda *a, **k: None)
+    x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+            y = layer(x, [128, 128])
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_GroupedLinearBackward"
+    assert _plans(layer) == [None]

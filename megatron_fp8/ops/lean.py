@@ -116,6 +116,20 @@ def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Line
     return LinearPlan(q, x.reshape(-1, x.shape[-1]), soi, wgrad, comm)
 
 
+def save_for_gradients(ctx: Any, wgrad: bool, soi: bool, x: torch.Tensor, xs: torch.Tensor | None, xc: Any, xcs: Any,
+                       w_data: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """Save what a lean backward reads, as the general paths save it: x's columnwise copy (with
+    ``save_original_input``: x itself and its per-tensor scale, if any; nothing without a wgrad),
+    then the weight's columnwise copy."""
+    if not wgrad:
+        saved: tuple[torch.Tensor, ...] = ()
+    elif soi:
+        saved = (x, xs) if xs is not None else (x,)
+    else:
+        saved = (xc, xcs)
+    ctx.save_for_backward(*saved, w_data, w_scale)
+
+
 class LeanLinear(torch.autograd.Function):
     """``ops.linear._Linear``'s FP8 path on a plan: the same saved tensors and bits."""
 
@@ -141,13 +155,7 @@ class LeanLinear(torch.autograd.Function):
         ctx.plan, ctx.weight, ctx.x_shape, ctx.fuse_wgrad = plan, weight, x.shape, fuse_wgrad
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.w_layout = wc.layout
-        if not plan.wgrad:
-            saved: tuple[torch.Tensor, ...] = ()
-        elif plan.soi:
-            saved = (x, xs) if xs is not None else (x,)
-        else:
-            saved = (xc, xcs)
-        ctx.save_for_backward(*saved, wc.data, wc.scale_inv)
+        save_for_gradients(ctx, plan.wgrad, plan.soi, x, xs, xc, xcs, wc.data, wc.scale_inv)
         if plan.comm is not None:
             return y.reshape(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 may have been gathered
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -17,10 +17,15 @@ signature (experts, K, N, dtypes, device, flags, settings) and serves the common
 
 A step then runs the same kernels with the same arguments as the general path (the segmented
 casts, ``triton_grouped.grouped_rows`` / ``grouped_kgroup`` on the casts' buffers), so the same
-bits, and saves the same buffers (the saved-bytes accounting is unchanged); tests/test_lean.py
+bits, and saves the same buffers (the saved-bytes accounting is unchanged); tests/test_lean_grouped.py
 compares the two with ``torch.equal`` under Triton's interpreter, tests/test_lean_gpu.py on the
 GPU. Splits vary from step to step; each step's are checked (a few integer tests) and a step
 whose splits the plan does not serve takes the general path.
+
+A plan serves the quantizer objects it was made for (a recipe change makes new ones), whose
+options are not changed in place, and FP8 weights of the structure it was made for (in its key).
+A backward that runs under other settings than its forward (another backend pinned, a CUDA graph
+being captured, another amax group) takes the general helpers for that call.
 
 Where the kernels do not run (a CPU without ``TRITON_INTERPRET=1``) there is no plan. A plan's
 first forward that fails warns once, naming the layer, and the general path serves that
@@ -45,10 +50,10 @@ from ..quant.block_scaling import Block1DQuantizer, Block2DQuantizer
 from ..quant.formats import ScaleLayout
 from ..quant.quantizer import _grouped
 from ..quant.quantizers import Segments
-from ..quant.tensor import Operands, Pack
+from ..quant.tensor import SCALE_STRIDE, Operands, Pack
 from ..quant.tensor_scaling import CurrentScalingQuantizer
 from . import routes
-from .lean import _lean_here
+from .lean import _lean_here, save_for_gradients
 
 if TYPE_CHECKING:
     from .linear import LinearQuantizers
@@ -102,11 +107,19 @@ def grouped_plan_for(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: 
     w0 = weights[0]
     key = ("grouped", len(quantizers), x2d.shape[1], x2d.dtype, x2d.device, w0.shape, w0.dtype, soi, wgrad,
            fuse_wgrad, has_bias, getattr(q0.input, "group", None), getattr(q0.grad_output, "group", None),
-           routes.settings())
+           _packs_signature(w_fp8), routes.settings())
     plan = plans.get(key, _MISSING)
     if plan is _MISSING or (plan is not None and not _same(plan.quantizers, quantizers)):
         plan = plans[key] = _make(x2d, weights, w_fp8, quantizers, soi, wgrad, name)
     return plan  # type: ignore[return-value]
+
+
+def _packs_signature(w_fp8: Segments) -> tuple[Any, ...]:
+    """What ``_make`` checks of the FP8 weights' packs (a caller may hand ``grouped_linear`` others)."""
+    sig: tuple[Any, ...] = ()
+    for p in (w_fp8.rows, w_fp8.cols):
+        sig += (None,) if p is None else (p.layout, p.splits, p.width, p.scale_inv.dim(), p.scale_inv.stride(0))
+    return sig
 
 
 def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -203,21 +216,16 @@ class LeanGrouped(torch.autograd.Function):
         rows, cols = w_fp8.rows, w_fp8.cols
         assert rows is not None and cols is not None
         m, n, k = sum(splits), plan.n, plan.k
-        _record("fprop", (q_in.layout, rows.layout), (m, n, k))
         y = _rows_gemm(xr, xrs, rows.data, rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True)
+        _record("fprop", (q_in.layout, rows.layout), (m, n, k))
         if biases and biases[0] is not None:
             for yi, b in zip(y.split(list(splits)), biases):
                 yi.add_(b.to(yi.dtype))  # type: ignore[union-attr]
         ctx.plan, ctx.splits, ctx.weights, ctx.fuse_wgrad = plan, splits, weights, fuse_wgrad
         ctx.bias_dtype = biases[0].dtype if biases and biases[0] is not None else None
         ctx.w_layout = cols.layout
-        if not plan.wgrad:
-            saved: tuple[torch.Tensor, ...] = ()
-        elif plan.soi:
-            saved = (x, xs) if xs is not None else (x,)
-        else:
-            saved = (xc, xcs)
-        ctx.save_for_backward(*saved, cols.data, cols.scale_inv)
+        ctx.settings, ctx.dy_group = routes.settings(), getattr(plan.quantizers[0].grad_output, "group", None)
+        save_for_gradients(ctx, plan.wgrad, plan.soi, x, xs, xc, xcs, cols.data, cols.scale_inv)
         return y
 
     @staticmethod
@@ -229,7 +237,7 @@ class LeanGrouped(torch.autograd.Function):
         need_dw = plan.wgrad and any(ctx.needs_input_grad[5 : 5 + g])
         wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weights[0].dtype
         saved = ctx.saved_tensors
-        if plan.backward_general:
+        if plan.backward_general or not _as_in_forward(ctx, plan, dy):
             dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
         else:
             try:
@@ -238,7 +246,7 @@ class LeanGrouped(torch.autograd.Function):
                 raise
             except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
                 if not isinstance(exc, _Decline):  # (a declined cast: its kernel guard has warned)
-                    _warn_failed(plan, exc, "backward")
+                    _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
                 dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
         dbs: list[torch.Tensor | None] = [None] * g
@@ -251,6 +259,21 @@ class LeanGrouped(torch.autograd.Function):
         return dx, None, None, None, None, *dws, *dbs
 
 
+def _as_in_forward(ctx: Any, plan: GroupedPlan, dy: torch.Tensor) -> bool:
+    """Whether this backward runs under its forward's settings (backend pins, environment), amax
+    group and outside a CUDA graph capture: the general path decides those again in backward."""
+    return (routes.settings() == ctx.settings and not kernels.capturing(dy.device)
+            and getattr(plan.quantizers[0].grad_output, "group", None) is ctx.dy_group)
+
+
+def _aligned(scale: torch.Tensor, layout: ScaleLayout, g: int) -> torch.Tensor:
+    """A saved per-tensor scale buffer with the experts' scales 16 bytes apart again, where a
+    saved-tensor hook that copies (CPU offload) handed it back packed (``grouped_linear._unstash``)."""
+    if layout is L.TENSOR and g > 1 and scale.stride(0) != SCALE_STRIDE:
+        return kernels.aligned_copy(scale)
+    return scale
+
+
 def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
                wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
                ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
@@ -260,6 +283,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     q0 = plan.quantizers[0]
     q_in, q_dy = q0.input, q0.grad_output
     *x_saved, wc, wcs = saved
+    wcs = _aligned(wcs, ctx.w_layout, g)
     dx = None
     dws: list[torch.Tensor | None] = [None] * g
     if not (need_dx or need_dw):
@@ -272,7 +296,6 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     dyr, dyrs, dyc, dycs, _ = _cast(plan, q_dy, dy, splits, off, need_dx, need_dw)
     m, n, k = sum(splits), plan.n, plan.k
     if need_dx:  # dy [M, N] against each expert's columnwise weight [K, N]
-        _record("dgrad", (q_dy.layout, ctx.w_layout), (m, k, n))
         dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False)
     if need_dw:
         from ..kernels import triton_grouped
@@ -288,10 +311,13 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
                 xcs = kernels.aligned_reciprocal(scale)
                 _, xc = kernels.cast_tensorwise_segments(x, splits, scale, q_in.fp8_dtype, False, True)
         else:
-            xc, xcs = x_saved
-        _record("wgrad", (q_dy.layout, q_in.layout), (n, k, m))
+            xc, xcs = x_saved[0], _aligned(x_saved[1], q_in.layout, g)
         dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked)
         dws = list(dw.unbind(0))
+    if need_dx:  # reported once both GEMMs ran (a failure hands both to the general calls, which report them)
+        _record("dgrad", (q_dy.layout, ctx.w_layout), (m, k, n))
+    if need_dw:
+        _record("wgrad", (q_dy.layout, q_in.layout), (n, k, m))
     return dx, dws
 
 
@@ -304,7 +330,7 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
     splits, g = ctx.splits, len(ctx.splits)
     qs = plan.quantizers
     *x_saved, wc, wcs = saved
-    w_cols = Operands(Pack(wc, wcs, (plan.n,) * g, plan.k, ctx.w_layout, True))
+    w_cols = Operands(Pack(wc, _aligned(wcs, ctx.w_layout, g), (plan.n,) * g, plan.k, ctx.w_layout, True))
     dy_rows, dy_cols, _ = _cast_split(_roles(qs, "grad_output"), dy, splits, rowwise=need_dx, columnwise=need_dw)
     dx = gg.grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad") if need_dx else None
     dws: list[torch.Tensor | None] = [None] * g
@@ -314,35 +340,37 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
             _, x_cols, _ = _cast_split(_roles(qs, "input"), x_saved[0], splits, rowwise=False, columnwise=True,
                                        scales=scales)
         else:
-            x_cols = Operands(Pack(x_saved[0], x_saved[1], tuple(splits), plan.k, qs[0].input.layout, True))
+            layout = qs[0].input.layout
+            x_cols = Operands(Pack(x_saved[0], _aligned(x_saved[1], layout, g), tuple(splits), plan.k, layout, True))
         dws = list(gg.grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad"))  # type: ignore[arg-type]
     return dx, dws
 
 
-def _warn_failed(plan: GroupedPlan, exc: BaseException, where: str) -> None:
+def _warn_failed(plan: GroupedPlan, exc: BaseException, where: str, stacklevel: int) -> None:
     warnings.warn(f"megatron_fp8: {plan.name}: the lean grouped FP8 path failed in {where} ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0] if str(exc) else ''}); "
                   + ("calls of this shape take the general path" if where == "forward" else
                      "its backward casts and GEMMs take the general calls from now on")
-                  + " (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=4)
+                  + " (MEGATRON_FP8_LEAN=0 turns the lean path off everywhere)", RuntimeWarning, stacklevel=stacklevel)
 
 
 def lean_grouped(x2d: torch.Tensor, plan: GroupedPlan, splits: tuple[int, ...], w_fp8: Segments, fuse_wgrad: bool,
                  weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """``LeanGrouped`` on ``plan``; its first forward, if it fails, warns (naming the layer),
-    retires the plan for this signature and returns None (the caller runs the general path)."""
-    if plan.proven:
-        return LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, *weights, *biases)
+    """``LeanGrouped`` on ``plan``; where it declines (a kernel guard turned its cast off, before
+    any launch) or its first forward fails (warning, naming the layer), the plan is retired for
+    this signature and None returned (the caller runs the general path)."""
     try:
         y = LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, *weights, *biases)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a route this device refuses: the general path serves it
+        if plan.proven and not isinstance(exc, _Decline):
+            raise
         plans = plan.quantizers[0].__dict__.get("_plans", {})
         for key in [k for k, p in plans.items() if p is plan]:
             plans[key] = None
         if not isinstance(exc, _Decline):
-            _warn_failed(plan, exc, "forward")
+            _warn_failed(plan, exc, "forward", 4)
         return None
     plan.proven = True
     return y
