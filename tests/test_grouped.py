@@ -596,3 +596,45 @@ def test_expert_rows_index() -> None:
     rows, padded = expert_rows([5, 0, 17, 16], 16, torch.device("cpu"))
     assert padded == [16, 0, 32, 16]
     assert rows.tolist() == [*range(0, 5), *range(16, 33), *range(48, 64)]
+
+
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_padding_saves_no_high_precision_copy(name: str) -> None:
+    """Padding each expert's rows keeps no high-precision copy for backward: flag off, the FP8
+    copies and the index (``Tensor.index_copy``, which this used, also saved its source: the whole
+    input); flag on, the caller's own tensor (not a padded copy of it) and the index."""
+    from megatron_fp8 import memory
+    from megatron_fp8.ops.grouped_linear import grouped_linear
+
+    splits = [5, 0, 130, 17, 1]
+    for flag in (False, True):
+        layer = GroupedLinear(len(splits), 256, 128, bias=False, params_dtype=torch.bfloat16)
+        x = torch.randn(sum(splits), 256, dtype=torch.bfloat16, requires_grad=True)
+        with memory.track_saved_tensors(layer) as saved, mf.fp8_autocast(fp8_recipe=RECIPES[name]):
+            qs, w_fp8 = layer.fp8_operands(None)
+            grouped_linear(x, layer.weights, None, splits, w_fp8=w_fp8, quantizers=qs, save_original_input=flag,
+                           pad_to=128)
+        acts = [r for r in saved.records if not r.is_parameter]
+        high = [r for r in acts if r.dtype == torch.bfloat16]
+        index = [r for r in acts if r.dtype == torch.int64]
+        assert [r.nbytes for r in index] == [8 * sum(splits)]
+        if flag:
+            assert len(high) == 1 and high[0].storage._cdata == x.untyped_storage()._cdata
+        else:
+            assert not high
+
+
+def test_expert_padding_saves_only_the_index() -> None:
+    """Megatron's ``ExpertPadding`` (our TE ``Fp8Padding``): the padded input's backward keeps the
+    index, not the experts' whole input."""
+    from megatron_fp8.megatron.experts import ExpertPadding
+
+    x = torch.randn(153, 64, requires_grad=True)
+    packed: list[torch.Tensor] = []
+    with mf.fp8_autocast(fp8_recipe=RECIPES["block"]), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: packed.append(t) or t, lambda t: t):
+        y, padded = ExpertPadding()(x, [5, 0, 130, 17, 1])
+    assert padded == [128, 0, 256, 128, 128] and y.shape == (640, 64)
+    assert [(t.dtype, tuple(t.shape)) for t in packed] == [(torch.int64, (153,))]
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.ones_like(x))

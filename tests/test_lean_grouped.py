@@ -214,3 +214,28 @@ def test_a_cast_turned_off_later_retires_the_plan(monkeypatch: pytest.MonkeyPatc
             y = layer(x, [128, 128])
     assert type(y.grad_fn.next_functions[0][0]).__name__ == "_GroupedLinearBackward"
     assert _plans(layer) == [None]
+
+
+@pytest.mark.parametrize("recipe, splits", [("current", [5, 130, 17, 1]), ("blockwise", [5, 0, 130, 17])])
+def test_padded_inside_equals_general_bitwise(monkeypatch: pytest.MonkeyPatch, recipe: str, splits: list[int]) -> None:
+    """Splits padded to 128 inside the function (as on CUDA; ``pad_to`` forced here): the lean
+    path pads, casts, runs and drops the padding as the general path does, bit for bit."""
+    from megatron_fp8.ops.grouped_linear import grouped_linear
+
+    runs = {}
+    for lean_on, soi in itertools.product(("0", "1"), (False, True)):
+        monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
+        torch.manual_seed(6)
+        layer = GroupedLinear(len(splits), 256, 128, bias=True, params_dtype=torch.bfloat16)
+        x = torch.randn(sum(splits), 256, dtype=torch.bfloat16, requires_grad=True)
+        with mf.fp8_autocast(fp8_recipe=RECIPES[recipe]):
+            qs, w_fp8 = layer.fp8_operands(None)
+            y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs,
+                               save_original_input=soi, pad_to=128)
+        node = type(y.grad_fn.next_functions[0][0]).__name__
+        assert node == ("LeanGroupedBackward" if lean_on == "1" else "_GroupedLinearBackward")
+        y.backward(torch.linspace(-1, 1, 128, dtype=torch.bfloat16).expand_as(y))
+        runs[lean_on, soi] = [y.detach(), x.grad, *[w.grad for w in layer.weights], *[b.grad for b in layer.biases]]
+    for soi in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(runs["0", soi], runs["1", soi])), soi
+        assert all(torch.equal(a, b) for a, b in zip(runs["1", soi], runs["1", False])), soi

@@ -7,7 +7,8 @@ the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding``, wh
 expert's rows to what the active recipe's GEMMs need (128 tokens for 1x128 block scaling, 32 for
 MXFP8; per-tensor scaling 128 where the one-launch grouped GEMMs run, else 16: ``layout_rows``)
 with zero rows that never leave the experts. The padding is Megatron's own contract (its forward
-calls the two objects); the zero rows add nothing to any output or gradient. As Megatron does
+calls the two objects); the zero rows add nothing to any output or gradient. The padding saves
+only its row index for backward (``ops.padding.pad_rows``), as TE's does. As Megatron does
 with TE, ``moe_act`` recompute turns ``save_original_input`` on for ``linear_fc2`` (the
 activation's consumer).
 """
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from ..autocast import current_fp8_state
-from ..ops.grouped_linear import expert_rows, layout_rows
+from ..ops.grouped_linear import layout_rows
+from ..ops.padding import expert_rows, pad_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import make_quantizer
 from ..recipe import Recipe, TensorRole
@@ -57,8 +59,7 @@ class ExpertPadding:
         if align == 1 or all(m % align == 0 for m in splits):
             return x, splits
         rows, padded = expert_rows(splits, align, x.device)
-        out = x.new_zeros((sum(padded), *x.shape[1:]))
-        return out.index_copy(0, rows, x), padded
+        return pad_rows(x, rows, sum(padded)), padded
 
 
 class ExpertUnpadding:

@@ -44,6 +44,13 @@ Saved for backward: per expert the columnwise FP8 copy of ``x_i`` (default), or 
 per expert the columnwise FP8 weight. Copies from a one-launch cast are saved as its two
 buffers (``quant.tensor.Pack``: the same storage as the experts' views), others as each
 expert's data and scales. FP8 off: ``x`` and the weights.
+
+Padding for the GEMMs (``pad_to``, on CUDA the recipe's alignment for splits the GEMMs cannot
+take) happens inside the function (``ops.padding.Padded``): x is padded before its casts and
+the output's padding dropped, dy padded before its casts and dx's padding dropped. Saved: the
+row index, and the padded x's FP8 copies, or with ``save_original_input`` the caller's own ``x``
+(padded again in backward): no high-precision copy the caller does not hold, so the flag keeps
+its meaning (a padding op outside, ``Tensor.index_copy``, saved its whole source as well).
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from .linear import (
     check_float_input,
     unpad_wgrad,
 )
+from .padding import Padded, expert_rows
 
 __all__ = ["GroupedArgs", "grouped_linear"]
 
@@ -90,6 +98,8 @@ class GroupedArgs:
     fuse_wgrad: bool = False
     name: str = "GroupedLinear"
     wgrad: bool = True  # False: no weight grad will run (inference, frozen experts)
+    real_splits: tuple[int, ...] | None = None  # padded inside (``m_splits`` the padded counts): the caller's
+
 
 
 def rows_independent(layout: ScaleLayout) -> bool:
@@ -198,7 +208,8 @@ def _unstash(saved: Sequence[torch.Tensor], meta: _PackMeta | ScaleLayout) -> Se
 # ---- the function ---------------------------------------------------------------------------
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, args: GroupedArgs, *params: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, args: GroupedArgs, rows: torch.Tensor | None,  # type: ignore[override]
+                *params: torch.Tensor | None) -> torch.Tensor:
         n = len(args.m_splits)
         weights, biases = params[:n], params[n:]
         ctx.args, ctx.n, ctx.weights = args, n, weights  # Parameters: main_grad and dtype only
@@ -207,12 +218,13 @@ class _GroupedLinear(torch.autograd.Function):
                              f"(got {sum(b is not None for b in biases)} of {n})")
         ctx.has_bias = biases[0] is not None
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
+        ctx.padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
         if args.quantizers is None:
             y = _forward_hp(ctx, x, weights)
         else:
             y = _forward_fp8(ctx, x, args)
         if ctx.has_bias:  # y is this function's fresh output: add each expert's bias in place
-            for yi, b in zip(y.split(list(args.m_splits)), biases):
+            for yi, b in zip(y.split(list(args.real_splits or args.m_splits)), biases):
                 yi.add_(b.to(yi.dtype))
         return y
 
@@ -221,16 +233,17 @@ class _GroupedLinear(torch.autograd.Function):
         args, n = ctx.args, ctx.n
         dy = grad_out.contiguous()
         need_dx = ctx.needs_input_grad[0]
-        need_dw = any(ctx.needs_input_grad[2 : 2 + n])
+        need_dw = any(ctx.needs_input_grad[3 : 3 + n])
         wgrad_dtype = torch.float32 if args.fuse_wgrad else ctx.weights[0].dtype
         run = _backward_fp8 if args.quantizers is not None else _backward_hp
-        dx, dws = run(ctx, dy, wgrad_dtype, need_dx, need_dw)
         dbs: list[torch.Tensor | None] = [None] * n
         if ctx.has_bias:
-            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(args.m_splits))]
+            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+                   for d in dy.split(list(args.real_splits or args.m_splits))]
+        dx, dws = run(ctx, dy, wgrad_dtype, need_dx, need_dw)
         if args.fuse_wgrad:
             dws = accumulate_experts(ctx.weights, dws)
-        return dx, None, *dws, *dbs
+        return dx, None, None, *dws, *dbs
 
 
 def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tensor | None]
@@ -302,9 +315,13 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
 
 
 def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
-    """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save."""
+    """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save.
+    ``ctx.padded``: the experts' rows are padded here and the output's padding dropped; the
+    original ``x`` is what ``save_original_input`` saves (the caller's tensor, not a copy)."""
     assert args.quantizers is not None and args.w_fp8 is not None
-    soi = args.save_original_input
+    soi, padded, x_in = args.save_original_input, ctx.padded, x
+    if padded is not None:
+        x = padded.pad(x)
     inputs = _roles(args.quantizers, "input")
     # x's columnwise copies serve only wgrad: not cast at all without one
     x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
@@ -313,6 +330,8 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
     n_out = ctx.weights[0].shape[0]
     ctx.n_pad = y.shape[1] - n_out  # zero rows of a partial 128x128 weight block (ops.linear.cast_weight)
+    if padded is not None:
+        y = padded.unpad(y)
     if ctx.n_pad:
         y = y[:, :n_out].contiguous()
     w_saved, ctx.w_meta = _stash(w_cols)
@@ -321,10 +340,10 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     scales: list[torch.Tensor] = []
     x_saved: list[torch.Tensor] = []
     if args.wgrad and soi:
-        orig, scales = [x], [s for s in x_scales if s is not None]
+        orig, scales = [x_in], [s for s in x_scales if s is not None]
     elif args.wgrad:
         x_saved, ctx.x_meta = _stash(x_cols)  # type: ignore[arg-type]
-    _save(ctx, [orig, scales, x_saved, w_saved])
+    _save(ctx, [orig, scales, x_saved, w_saved, [padded.rows] if padded is not None else []])
     return y
 
 
@@ -346,6 +365,8 @@ def _saved_x_columnwise(ctx: Any, orig: Sequence[torch.Tensor], scales: Sequence
     if not args.save_original_input:
         return _unstash(x_saved, ctx.x_meta)
     (x,) = orig
+    if ctx.padded is not None:
+        x = ctx.padded.pad(x)
     inputs = _roles(args.quantizers, "input")
     _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True,
                              scales=list(scales) if scales else None)
@@ -356,7 +377,10 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
                   need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     args: GroupedArgs = ctx.args
     n = ctx.n
-    orig, scales, x_saved, w_saved = _load(ctx)
+    orig, scales, x_saved, w_saved, rows = _load(ctx)
+    if rows:  # the saved index (the same tensor as ctx.padded's, counted among the saved bytes)
+        ctx.padded = Padded(rows[0], ctx.padded.total)
+        dy = ctx.padded.pad(dy)
     grads = _roles(args.quantizers, "grad_output")
     if ctx.n_pad:  # the weights' zero rows: zero gradient columns
         dy = F.pad(dy, (0, ctx.n_pad))
@@ -364,6 +388,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     dx = None
     if need_dx:
         dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad")
+        if ctx.padded is not None:
+            dx = ctx.padded.unpad(dx)
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
@@ -390,22 +416,6 @@ def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.dev
     if not quantizers or device.type != "cuda":
         return 1
     return layout_rows(quantizers[0].input.layout, device)
-
-
-def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """For each real row (experts back to back), its row once every expert is padded to a multiple
-    of ``align``; and the padded splits. The counts and shifts reach the device through
-    ``kernels.device_ints`` (pinned, no sync, kept for the last few lists, safe under CUDA graph
-    capture); the index is three small launches from them."""
-    padded = [-(-m // align) * align for m in splits]
-    shift, real_start, pad_start = [], 0, 0
-    for m, p in zip(splits, padded):
-        shift.append(pad_start - real_start)
-        real_start, pad_start = real_start + m, pad_start + p
-    counts_shifts = device_ints((*splits, *shift), device)
-    counts, shifts = counts_shifts[: len(splits)], counts_shifts[len(splits):]
-    rows = torch.arange(real_start, device=device) + torch.repeat_interleave(shifts, counts, output_size=real_start)
-    return rows, padded
 
 
 def _as_count(m: object) -> object:
@@ -461,19 +471,20 @@ def grouped_linear(
     ``pad_to``: each expert's rows are padded with zeros to a multiple of it (and the padding
     dropped from the output), so that every expert GEMM runs natively for any split; default on
     CUDA the recipe's native alignment (``native_rows``), elsewhere 1 (the emulated GEMMs take
-    any split). Zero rows change no output row and add zeros to every gradient sum."""
+    any split). Zero rows change no output row and add zeros to every gradient sum. With FP8 off
+    nothing is padded (high-precision GEMMs take any split)."""
     n = len(weights)
     check_float_input(x, weights[0], name)
     x2d = x.reshape(-1, x.shape[-1])
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
     align = pad_to if pad_to is not None else native_rows(quantizers, x2d.device)
-    if align > 1 and any(m % align for m in splits):
+    if quantizers is None:
+        align = 1  # high-precision GEMMs take any split: zero rows would change nothing
+    rows: torch.Tensor | None = None
+    real: tuple[int, ...] | None = None
+    if align > 1 and any(m % align for m in splits):  # padded inside the function (``Padded``)
         rows, padded = expert_rows(splits, align, x2d.device)
-        xp = x2d.new_zeros((sum(padded), x2d.shape[1])).index_copy(0, rows, x2d)
-        y = grouped_linear(xp, weights, biases, padded, w_fp8=w_fp8, quantizers=quantizers,
-                           save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           name=name, pad_to=1)
-        return y.index_select(0, rows).reshape(*x.shape[:-1], y.shape[-1])
+        real, splits = splits, tuple(padded)
     k = weights[0].shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"{name}: input has {x.shape[-1]} features (shape {tuple(x.shape)}), the experts' "
@@ -490,14 +501,14 @@ def grouped_linear(
         raise ValueError(f"{name}: FP8 weights of {len(w_fp8.rows.splits)} experts for {n} experts")
     args = GroupedArgs(splits, w_fp8 if isinstance(w_fp8, Segments) or w_fp8 is None else tuple(w_fp8),
                        tuple(quantizers) if quantizers is not None else None,
-                       save_original_input, fuse_wgrad_accumulation, name, wgrad)
+                       save_original_input, fuse_wgrad_accumulation, name, wgrad, real)
     bias_list = list(biases) if biases is not None else [None] * n
     if quantizers is not None and isinstance(w_fp8, Segments) and len({b is None for b in bias_list}) == 1:
         plan = grouped_plan_for(x2d, weights, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation,
                                 bias_list[0] is not None, name)  # the lean path's plan, where it has one
         if plan is not None and plan.serves(quantizers, splits):
-            y = lean_grouped(x2d, plan, splits, w_fp8, fuse_wgrad_accumulation, weights, bias_list)
+            y = lean_grouped(x2d, plan, splits, w_fp8, fuse_wgrad_accumulation, weights, bias_list, rows, real)
             if y is not None:
                 return y.reshape(*x.shape[:-1], y.shape[-1])
-    y = _GroupedLinear.apply(x2d, args, *weights, *bias_list)
+    y = _GroupedLinear.apply(x2d, args, rows, *weights, *bias_list)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -117,17 +117,17 @@ def _make(x: torch.Tensor, weight: torch.Tensor, w_fp8: QuantizedTensor, q: Line
 
 
 def save_for_gradients(ctx: Any, wgrad: bool, soi: bool, x: torch.Tensor, xs: torch.Tensor | None, xc: Any, xcs: Any,
-                       w_data: torch.Tensor, w_scale: torch.Tensor) -> None:
-    """Save what a lean backward reads, as the general paths save it: x's columnwise copy (with
-    ``save_original_input``: x itself and its per-tensor scale, if any; nothing without a wgrad),
-    then the weight's columnwise copy."""
+                       w_data: torch.Tensor, w_scale: torch.Tensor, first: tuple[torch.Tensor, ...] = ()) -> None:
+    """Save what a lean backward reads, as the general paths save it: ``first`` (the grouped
+    layer's padding index), x's columnwise copy (with ``save_original_input``: x itself and its
+    per-tensor scale, if any; nothing without a wgrad), then the weight's columnwise copy."""
     if not wgrad:
         saved: tuple[torch.Tensor, ...] = ()
     elif soi:
         saved = (x, xs) if xs is not None else (x,)
     else:
         saved = (xc, xcs)
-    ctx.save_for_backward(*saved, w_data, w_scale)
+    ctx.save_for_backward(*first, *saved, w_data, w_scale)
 
 
 class LeanLinear(torch.autograd.Function):

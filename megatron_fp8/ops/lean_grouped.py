@@ -54,6 +54,7 @@ from ..quant.tensor import SCALE_STRIDE, Operands, Pack
 from ..quant.tensor_scaling import CurrentScalingQuantizer
 from . import routes
 from .lean import _lean_here, save_for_gradients
+from .padding import Padded
 
 if TYPE_CHECKING:
     from .linear import LinearQuantizers
@@ -204,28 +205,35 @@ class LeanGrouped(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, plan: GroupedPlan, splits: tuple[int, ...], w_fp8: Segments, fuse_wgrad: bool,
-        *params: torch.Tensor | None,
+        rows: torch.Tensor | None, real: tuple[int, ...] | None, *params: torch.Tensor | None,
     ) -> torch.Tensor:
         g = len(splits)
         weights, biases = params[:g], params[g:]
         q_in = plan.quantizers[0].input
+        padded = ctx.padded = Padded(rows, sum(splits)) if rows is not None else None
+        x_in = x
+        if padded is not None:  # each expert's rows padded here, as _GroupedLinear pads them
+            x = padded.pad(x)
         off = kernels.segment_offsets(splits, x.device)
         if x.is_cuda:
             gg._cublas_ready(x.device)  # as gemm_grouped's auto path does: a later capture needs the handle
         xr, xrs, xc, xcs, xs = _cast(plan, q_in, x, splits, off, True, plan.wgrad and not plan.soi)
-        rows, cols = w_fp8.rows, w_fp8.cols
-        assert rows is not None and cols is not None
+        w_rows, cols = w_fp8.rows, w_fp8.cols
+        assert w_rows is not None and cols is not None
         m, n, k = sum(splits), plan.n, plan.k
-        y = _rows_gemm(xr, xrs, rows.data, rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True)
-        _record("fprop", (q_in.layout, rows.layout), (m, n, k))
+        y = _rows_gemm(xr, xrs, w_rows.data, w_rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True)
+        _record("fprop", (q_in.layout, w_rows.layout), (m, n, k))
+        if padded is not None:
+            y = padded.unpad(y)
         if biases and biases[0] is not None:
-            for yi, b in zip(y.split(list(splits)), biases):
+            for yi, b in zip(y.split(list(real or splits)), biases):
                 yi.add_(b.to(yi.dtype))  # type: ignore[union-attr]
-        ctx.plan, ctx.splits, ctx.weights, ctx.fuse_wgrad = plan, splits, weights, fuse_wgrad
+        ctx.plan, ctx.splits, ctx.real, ctx.weights, ctx.fuse_wgrad = plan, splits, real, weights, fuse_wgrad
         ctx.bias_dtype = biases[0].dtype if biases and biases[0] is not None else None
         ctx.w_layout = cols.layout
         ctx.settings, ctx.dy_group = routes.settings(), getattr(plan.quantizers[0].grad_output, "group", None)
-        save_for_gradients(ctx, plan.wgrad, plan.soi, x, xs, xc, xcs, cols.data, cols.scale_inv)
+        save_for_gradients(ctx, plan.wgrad, plan.soi, x_in, xs, xc, xcs, cols.data, cols.scale_inv,
+                           (rows,) if rows is not None else ())
         return y
 
     @staticmethod
@@ -234,9 +242,16 @@ class LeanGrouped(torch.autograd.Function):
         g = len(ctx.splits)
         dy = grad_out.contiguous()
         need_dx = ctx.needs_input_grad[0]
-        need_dw = plan.wgrad and any(ctx.needs_input_grad[5 : 5 + g])
+        need_dw = plan.wgrad and any(ctx.needs_input_grad[7 : 7 + g])
         wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weights[0].dtype
         saved = ctx.saved_tensors
+        dbs: list[torch.Tensor | None] = [None] * g
+        if ctx.bias_dtype is not None:
+            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(ctx.real or ctx.splits))]
+        if ctx.padded is not None:  # the saved index (the one counted among the saved bytes)
+            ctx.padded = Padded(saved[0], ctx.padded.total)
+            saved = saved[1:]
+            dy = ctx.padded.pad(dy)
         if plan.backward_general or not _as_in_forward(ctx, plan, dy):
             dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
         else:
@@ -249,14 +264,13 @@ class LeanGrouped(torch.autograd.Function):
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
                 dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
-        dbs: list[torch.Tensor | None] = [None] * g
-        if ctx.bias_dtype is not None:
-            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(ctx.splits))]
+        if dx is not None and ctx.padded is not None:
+            dx = ctx.padded.unpad(dx)
         if ctx.fuse_wgrad and need_dw:
             from .grouped_linear import accumulate_experts
 
             dws = accumulate_experts(ctx.weights, dws)
-        return dx, None, None, None, None, *dws, *dbs
+        return dx, None, None, None, None, None, None, *dws, *dbs
 
 
 def _as_in_forward(ctx: Any, plan: GroupedPlan, dy: torch.Tensor) -> bool:
@@ -301,7 +315,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
         from ..kernels import triton_grouped
 
         if plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
-            x = x_saved[0]
+            x = x_saved[0] if ctx.padded is None else ctx.padded.pad(x_saved[0])
             if plan.blocked:
                 from ..kernels import triton_cast
 
@@ -337,8 +351,8 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
     if need_dw:
         if plan.soi:
             scales = list(x_saved[1].unbind(0)) if len(x_saved) > 1 else None
-            _, x_cols, _ = _cast_split(_roles(qs, "input"), x_saved[0], splits, rowwise=False, columnwise=True,
-                                       scales=scales)
+            x = x_saved[0] if ctx.padded is None else ctx.padded.pad(x_saved[0])
+            _, x_cols, _ = _cast_split(_roles(qs, "input"), x, splits, rowwise=False, columnwise=True, scales=scales)
         else:
             layout = qs[0].input.layout
             x_cols = Operands(Pack(x_saved[0], _aligned(x_saved[1], layout, g), tuple(splits), plan.k, layout, True))
@@ -355,12 +369,13 @@ def _warn_failed(plan: GroupedPlan, exc: BaseException, where: str, stacklevel: 
 
 
 def lean_grouped(x2d: torch.Tensor, plan: GroupedPlan, splits: tuple[int, ...], w_fp8: Segments, fuse_wgrad: bool,
-                 weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+                 weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                 rows: torch.Tensor | None = None, real: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """``LeanGrouped`` on ``plan``; where it declines (a kernel guard turned its cast off, before
     any launch) or its first forward fails (warning, naming the layer), the plan is retired for
     this signature and None returned (the caller runs the general path)."""
     try:
-        y = LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, *weights, *biases)
+        y = LeanGrouped.apply(x2d, plan, splits, w_fp8, fuse_wgrad, rows, real, *weights, *biases)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a route this device refuses: the general path serves it
