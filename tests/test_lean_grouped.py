@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the grouped routes run on CPU only under TRITON_INTERPRET=1")
 
 RECIPES = {"current": PRESETS["current"], "blockwise": PRESETS["blockwise"],
-           "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID)}
-SPLITS = {"current": [128, 256, 128], "blockwise": [0, 256, 128], "blockwise-hybrid": [128, 0, 256]}
+           "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID), "delayed": PRESETS["delayed"]}
+SPLITS = {"current": [128, 256, 128], "blockwise": [0, 256, 128], "blockwise-hybrid": [128, 0, 256],
+          "delayed": [256, 0, 128]}
 
 
 def _steps(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, splits: list[int], soi: bool = False,
@@ -62,9 +63,19 @@ def _plans(layer: GroupedLinear) -> list[lean_grouped.GroupedPlan | None]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_lean_grouped_equals_general_bitwise(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
+    """Two steps each (delayed scaling: the histories and scales the steps leave, compared too)."""
     for soi, bias, fuse in itertools.product((False, True), repeat=3):
-        general, _, g_node = _steps(monkeypatch, "0", RECIPES[recipe], SPLITS[recipe], soi, bias, fuse)
+        general, g_layer, g_node = _steps(monkeypatch, "0", RECIPES[recipe], SPLITS[recipe], soi, bias, fuse)
         planned, layer, p_node = _steps(monkeypatch, "1", RECIPES[recipe], SPLITS[recipe], soi, bias, fuse)
+        if recipe == "delayed":
+            for i in range(len(SPLITS[recipe])):
+                for role in ("input", "weight", "grad_output"):
+                    a, b = (getattr(x._quantizers[f"weight{i}"], role) for x in (g_layer, layer))
+                    assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+        if recipe == "delayed" and soi:  # the flag's delayed backward keeps the general path
+            assert p_node == "_GroupedLinearBackward" and _plans(layer) == [None]
+            assert all(torch.equal(a, b) for a, b in zip(general, planned))
+            continue
         assert (g_node, p_node) == ("_GroupedLinearBackward", "LeanGroupedBackward")
         assert len(general) == len(planned)
         for i, (a, b) in enumerate(zip(general, planned)):
@@ -92,8 +103,8 @@ def test_lean_grouped_saves_what_the_general_path_saves(monkeypatch: pytest.Monk
 
 def test_plans_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """Splits the one-launch GEMMs do not take (on CPU nothing pads them), current scaling with an
-    expert without tokens, delayed scaling and FP8 off take the general path; the plan stays and
-    serves the next aligned call."""
+    expert without tokens, MXFP8 and FP8 off take the general path; the plan stays and serves the
+    next aligned call."""
     _, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [100, 156])
     assert node == "_GroupedLinearBackward"
     _, layer, node = _steps(monkeypatch, "1", PRESETS["current"], [0, 256])
@@ -102,8 +113,8 @@ def test_plans_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
         y = layer(x, [128, 128])
     assert type(y.grad_fn.next_functions[0][0]).__name__ == "LeanGroupedBackward"
-    _, layer, node = _steps(monkeypatch, "1", PRESETS["delayed"], [128, 128])
-    assert node == "_GroupedLinearBackward" and _plans(layer) == [None]
+    _, layer, node = _steps(monkeypatch, "1", PRESETS["mxfp8"], [128, 128])
+    assert node == "_GroupedLinearBackward" and not any(_plans(layer))
     _, _, node = _steps(monkeypatch, "0", PRESETS["current"], [128, 128])
     assert node == "_GroupedLinearBackward"
 

@@ -8,8 +8,10 @@ peers compared, its backend read from the environment), each grouped GEMM throug
 checked). A ``GroupedPlan`` makes those decisions once for a layer and a split-independent
 signature (experts, K, N, dtypes, device, flags, settings) and serves the common eager step:
 
-- current scaling (``CurrentScalingQuantizer``, no amax group) or 1x128 / 128x128 blocks
-  (``Block1DQuantizer`` / ``Block2DQuantizer`` with the fused kernels' options);
+- current scaling (``CurrentScalingQuantizer``, no amax group), 1x128 / 128x128 blocks
+  (``Block1DQuantizer`` / ``Block2DQuantizer`` with the fused kernels' options), or delayed
+  scaling without ``save_original_input`` (its segmented cast called as the general path calls
+  it: the experts' histories are its state);
 - the experts' FP8 weights as one launch's packs (``Segments``: ``GroupedLinear`` on CUDA);
 - every split a multiple of 128 (positive for current scaling), more than one expert: what the
   one-launch Triton grouped GEMMs take, and what ``ExpertPadding`` / ``grouped_linear``'s own
@@ -51,7 +53,7 @@ from ..quant.formats import ScaleLayout
 from ..quant.quantizer import _grouped
 from ..quant.quantizers import Segments
 from ..quant.tensor import SCALE_STRIDE, Operands, Pack
-from ..quant.tensor_scaling import CurrentScalingQuantizer
+from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer
 from . import routes
 from .lean import _lean_here, save_for_gradients
 from .padding import Padded
@@ -71,15 +73,20 @@ class _Decline(Exception):
 
 
 class GroupedPlan:
-    """The decided routes of one grouped layer for one signature: the recipe's kind (``current``
-    or ``block``), the experts' quantizers (the plan serves these objects only) and the flags."""
+    """The decided routes of one grouped layer for one signature: the recipe's kind (``current``,
+    ``block`` or ``delayed``), the experts' quantizers (the plan serves these objects only) and the
+    flags."""
 
-    __slots__ = ("quantizers", "blocked", "soi", "wgrad", "k", "n", "name", "proven", "backward_general")
+    __slots__ = ("quantizers", "kind", "blocked", "peers", "soi", "wgrad", "k", "n", "name", "proven",
+                 "backward_general")
 
-    def __init__(self, quantizers: Sequence[LinearQuantizers], blocked: bool, soi: bool, wgrad: bool, k: int, n: int,
+    def __init__(self, quantizers: Sequence[LinearQuantizers], kind: str, soi: bool, wgrad: bool, k: int, n: int,
                  name: str) -> None:
         self.quantizers = tuple(quantizers)
-        self.blocked, self.soi, self.wgrad, self.k, self.n, self.name = blocked, soi, wgrad, k, n, name
+        self.kind, self.blocked = kind, kind == "block"
+        # each role's quantizers of every expert, for delayed scaling's segmented cast (its peers)
+        self.peers = {role: [getattr(q, role) for q in quantizers] for role in ("input", "grad_output")}
+        self.soi, self.wgrad, self.k, self.n, self.name = soi, wgrad, k, n, name
         self.proven = False  # a forward ran through it
         self.backward_general = False  # a backward failed on the fast routes: the general helpers serve
 
@@ -89,9 +96,9 @@ class GroupedPlan:
         mine = self.quantizers
         if len(quantizers) != len(mine) or any(a is not b for a, b in zip(quantizers, mine)):
             return False
-        if self.blocked:
-            return not any(m % 128 for m in splits)
-        return not any(m <= 0 or m % 128 for m in splits)
+        if self.kind == "current":
+            return not any(m <= 0 or m % 128 for m in splits)
+        return not any(m % 128 for m in splits)
 
 
 def grouped_plan_for(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
@@ -151,23 +158,36 @@ def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
         return None
     if type(q_in) is CurrentScalingQuantizer and type(q_dy) is CurrentScalingQuantizer \
             and not (_grouped(q_in.group) or _grouped(q_dy.group)) and rows.layout is L.TENSOR:
-        blocked = False
+        kind = "current"
     elif type(q_in) is Block1DQuantizer and type(q_dy) is Block1DQuantizer and type(q_w) is Block2DQuantizer:
         if any(not kernels._block_kernel_ok(x2d, True, q.block, q.power_2_scale, q.amax_epsilon) for q in (q_in, q_dy)):
             return None
         if n % 128 or k % 128 or rows.layout is not L.BLOCK_128x128 or cols.scale_inv.dim() != 3:
             return None
-        blocked = True
+        kind = "block"
+    elif type(q_in) is DelayedScalingQuantizer and type(q_dy) is DelayedScalingQuantizer \
+            and rows.layout is L.TENSOR and not soi:  # (the flag's backward reuses each expert's kept scale)
+        kind = "delayed"
     else:
         return None
-    return GroupedPlan(quantizers, blocked, soi, wgrad, k, n, name)
+    return GroupedPlan(quantizers, kind, soi, wgrad, k, n, name)
 
 
 # ---- the steps' routes ------------------------------------------------------------------------
 def _cast(plan: GroupedPlan, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor, rowwise: bool,
           columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
     """Every expert's copies of ``t`` in one launch, as ``quantize_segments_packed`` casts them:
-    raw ``(row, row scales, col, col scales, per-tensor scales [E] | None)``."""
+    raw ``(row, row scales, col, col scales, per-tensor scales [E] | None)``. Delayed scaling
+    calls it (the experts' histories and scales are its state: one stacked advance, one amax
+    launch folding into the histories, the cast with the scales in force)."""
+    if plan.kind == "delayed":
+        role = "input" if q is plan.quantizers[0].input else "grad_output"
+        seg = q.quantize_segments_packed(t, splits, peers=plan.peers[role], rowwise=rowwise, columnwise=columnwise)
+        if seg is None:
+            raise _Decline("no segmented delayed-scaling cast here")
+        r, c = seg.rows, seg.cols
+        return (r.data if r is not None else None, r.scale_inv if r is not None else None,
+                c.data if c is not None else None, c.scale_inv if c is not None else None, None)
     if plan.blocked:
         from ..kernels import triton_cast
 

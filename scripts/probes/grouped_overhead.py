@@ -13,7 +13,8 @@ would have to remove most of these small costs; there is no one hot spot.
 
 With the lean grouped path (``ops/lean_grouped.py``; ``MEGATRON_FP8_LEAN=1`` lets it run on CPU
 under the interpreter; same day, same machine, two processes each): current 301 / 295 us against
-469 / 440 without it, blockwise 238 / 331 against 357 / 360. What is left under cProfile
+469 / 440 without it, blockwise 238 / 331 against 357 / 360; delayed (once it served delayed
+scaling too; one process each) 494 against 653. What is left under cProfile
 (current): the autograd engine ~12%, the cast's own dispatch (``_current_launches``) and Triton
 wrapper ~25%, ``torch.empty`` (13 calls) ~9%.
 
