@@ -8,7 +8,7 @@ expert's rows to what the active recipe's GEMMs need (128 tokens for 1x128 block
 MXFP8; per-tensor scaling 128 where the one-launch grouped GEMMs run, else 16: ``layout_rows``)
 with zero rows that never leave the experts. The padding is Megatron's own contract (its forward
 calls the two objects); the zero rows add nothing to any output or gradient. The padding saves
-only its row index for backward (``ops.padding.pad_rows``), as TE's does. As Megatron does
+only its row index for backward (``ops.padding.pad_rows``; TE's saves only the splits). As Megatron does
 with TE, ``moe_act`` recompute turns ``save_original_input`` on for ``linear_fc2`` (the
 activation's consumer).
 """

@@ -101,7 +101,6 @@ class GroupedArgs:
     real_splits: tuple[int, ...] | None = None  # padded inside (``m_splits`` the padded counts): the caller's
 
 
-
 def rows_independent(layout: ScaleLayout) -> bool:
     """True when no scale spans two rows, so a cast of all experts at once equals the
     per-expert casts (1x128, 1x32, per-row)."""
@@ -218,6 +217,7 @@ class _GroupedLinear(torch.autograd.Function):
                              f"(got {sum(b is not None for b in biases)} of {n})")
         ctx.has_bias = biases[0] is not None
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
+        # the forward's padding; backward rebuilds it from the saved index (``_backward_fp8``)
         ctx.padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
         if args.quantizers is None:
             y = _forward_hp(ctx, x, weights)
@@ -344,6 +344,8 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     elif args.wgrad:
         x_saved, ctx.x_meta = _stash(x_cols)  # type: ignore[arg-type]
     _save(ctx, [orig, scales, x_saved, w_saved, [padded.rows] if padded is not None else []])
+    if padded is not None:
+        ctx.padded = padded.total  # the index itself only among the saved tensors (what an offload hook moves)
     return y
 
 
@@ -378,8 +380,8 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     args: GroupedArgs = ctx.args
     n = ctx.n
     orig, scales, x_saved, w_saved, rows = _load(ctx)
-    if rows:  # the saved index (the same tensor as ctx.padded's, counted among the saved bytes)
-        ctx.padded = Padded(rows[0], ctx.padded.total)
+    if rows:  # the saved index, as the saved-tensor hooks hand it back
+        ctx.padded = Padded(rows[0], ctx.padded)
         dy = ctx.padded.pad(dy)
     grads = _roles(args.quantizers, "grad_output")
     if ctx.n_pad:  # the weights' zero rows: zero gradient columns

@@ -230,7 +230,8 @@ class LeanGrouped(torch.autograd.Function):
         g = len(splits)
         weights, biases = params[:g], params[g:]
         q_in = plan.quantizers[0].input
-        padded = ctx.padded = Padded(rows, sum(splits)) if rows is not None else None
+        padded = Padded(rows, sum(splits)) if rows is not None else None
+        ctx.padded = padded.total if padded is not None else None  # the index only among the saved tensors
         x_in = x
         if padded is not None:  # each expert's rows padded here, as _GroupedLinear pads them
             x = padded.pad(x)
@@ -268,8 +269,8 @@ class LeanGrouped(torch.autograd.Function):
         dbs: list[torch.Tensor | None] = [None] * g
         if ctx.bias_dtype is not None:
             dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(ctx.real or ctx.splits))]
-        if ctx.padded is not None:  # the saved index (the one counted among the saved bytes)
-            ctx.padded = Padded(saved[0], ctx.padded.total)
+        if ctx.padded is not None:  # the saved index, as the saved-tensor hooks hand it back
+            ctx.padded = Padded(saved[0], ctx.padded)
             saved = saved[1:]
             dy = ctx.padded.pad(dy)
         if plan.backward_general or not _as_in_forward(ctx, plan, dy):
