@@ -638,3 +638,32 @@ def test_expert_padding_saves_only_the_index() -> None:
     assert [(t.dtype, tuple(t.shape)) for t in packed] == [(torch.int64, (153,))]
     y.backward(torch.ones_like(y))
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_row_padding_with_partial_weight_blocks() -> None:
+    """Row padding (``pad_to``) and a 128x128-blocked weight with a partial block (N = 192: zero
+    weight rows, output columns trimmed, dy padded with zero columns) together, bias and FP32
+    wgrad accumulation on: flag on == off bitwise, and within the GEMMs' accumulation order of
+    the unpadded layer."""
+    from megatron_fp8.ops.grouped_linear import grouped_linear
+
+    splits = [5, 0, 130, 17]
+    runs = {}
+    for pad_to, flag in ((1, False), (128, False), (128, True)):
+        torch.manual_seed(0)
+        layer = GroupedLinear(len(splits), 256, 192, bias=True, params_dtype=torch.bfloat16, save_original_input=flag,
+                              fuse_wgrad_accumulation=True)
+        for w in layer.weights:
+            w.main_grad = torch.zeros(192, 256)
+        x = torch.randn(sum(splits), 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        x.requires_grad_()
+        with mf.fp8_autocast(fp8_recipe=RECIPES["block"]):
+            qs, w_fp8 = layer.fp8_operands(None)
+            y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs,
+                               save_original_input=flag, fuse_wgrad_accumulation=True, pad_to=pad_to)
+        y.backward(torch.linspace(-1, 1, 192, dtype=torch.bfloat16).expand_as(y))
+        runs[pad_to, flag] = [y.detach(), x.grad, *(w.main_grad for w in layer.weights),
+                              *(b.grad for b in layer.biases)]
+    assert all(torch.equal(a, b) for a, b in zip(runs[128, True], runs[128, False]))
+    for got, want in zip(runs[128, False], runs[1, False]):
+        assert (got - want).float().abs().max() <= 2**-7 * want.float().abs().max().clamp(min=1.0)
