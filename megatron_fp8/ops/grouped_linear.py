@@ -217,15 +217,14 @@ class _GroupedLinear(torch.autograd.Function):
                              f"(got {sum(b is not None for b in biases)} of {n})")
         ctx.has_bias = biases[0] is not None
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
-        # the forward's padding; backward rebuilds it from the saved index (``_backward_fp8``)
-        ctx.padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
         if args.quantizers is None:
             y = _forward_hp(ctx, x, weights)
-        else:
-            y = _forward_fp8(ctx, x, args)
-        if ctx.has_bias:  # y is this function's fresh output: add each expert's bias in place
-            for yi, b in zip(y.split(list(args.real_splits or args.m_splits)), biases):
-                yi.add_(b.to(yi.dtype))
+        else:  # (the index is saved; backward rebuilds the padding from it and the total)
+            padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
+            ctx.pad_total = padded.total if padded is not None else None
+            y = _forward_fp8(ctx, x, args, padded)
+        if ctx.has_bias:  # y is this function's fresh output
+            add_expert_biases(y, args.real_splits or args.m_splits, biases)
         return y
 
     @staticmethod
@@ -236,14 +235,25 @@ class _GroupedLinear(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[3 : 3 + n])
         wgrad_dtype = torch.float32 if args.fuse_wgrad else ctx.weights[0].dtype
         run = _backward_fp8 if args.quantizers is not None else _backward_hp
-        dbs: list[torch.Tensor | None] = [None] * n
-        if ctx.has_bias:
-            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-                   for d in dy.split(list(args.real_splits or args.m_splits))]
+        dbs = expert_bias_grads(dy, args.real_splits or args.m_splits, ctx.bias_dtype)
         dx, dws = run(ctx, dy, wgrad_dtype, need_dx, need_dw)
         if args.fuse_wgrad:
             dws = accumulate_experts(ctx.weights, dws)
         return dx, None, None, *dws, *dbs
+
+
+def add_expert_biases(y: torch.Tensor, splits: Sequence[int], biases: Sequence[torch.Tensor | None]) -> None:
+    """Each expert's bias added in place to its rows of ``y`` (a grouped function's fresh output)."""
+    for yi, b in zip(y.split(list(splits)), biases):
+        yi.add_(b.to(yi.dtype))  # type: ignore[union-attr]
+
+
+def expert_bias_grads(dy: torch.Tensor, splits: Sequence[int], bias_dtype: torch.dtype | None
+                      ) -> list[torch.Tensor | None]:
+    """Each expert's bias gradient (its rows of ``dy`` summed in FP32); Nones without biases."""
+    if bias_dtype is None:
+        return [None] * len(splits)
+    return [d.sum(0, dtype=torch.float32).to(bias_dtype) for d in dy.split(list(splits))]
 
 
 def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tensor | None]
@@ -314,12 +324,12 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
     return dx, dws
 
 
-def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
+def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs, padded: Padded | None) -> torch.Tensor:
     """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save.
-    ``ctx.padded``: the experts' rows are padded here and the output's padding dropped; the
+    ``padded``: the experts' rows are padded here and the output's padding dropped; the
     original ``x`` is what ``save_original_input`` saves (the caller's tensor, not a copy)."""
     assert args.quantizers is not None and args.w_fp8 is not None
-    soi, padded, x_in = args.save_original_input, ctx.padded, x
+    soi, x_in = args.save_original_input, x
     if padded is not None:
         x = padded.pad(x)
     inputs = _roles(args.quantizers, "input")
@@ -344,8 +354,6 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs) -> torch.Tensor:
     elif args.wgrad:
         x_saved, ctx.x_meta = _stash(x_cols)  # type: ignore[arg-type]
     _save(ctx, [orig, scales, x_saved, w_saved, [padded.rows] if padded is not None else []])
-    if padded is not None:
-        ctx.padded = padded.total  # the index itself only among the saved tensors (what an offload hook moves)
     return y
 
 
@@ -360,15 +368,15 @@ def _weight_operands(w_fp8: Sequence[QuantizedTensor] | Segments
 
 
 def _saved_x_columnwise(ctx: Any, orig: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                        x_saved: Sequence[torch.Tensor]) -> Sequence[Operand]:
+                        x_saved: Sequence[torch.Tensor], padded: Padded | None) -> Sequence[Operand]:
     """Each expert's columnwise x: saved, or cast now from the saved original with the forward's
     per-expert scales (recording no amax)."""
     args: GroupedArgs = ctx.args
     if not args.save_original_input:
         return _unstash(x_saved, ctx.x_meta)
     (x,) = orig
-    if ctx.padded is not None:
-        x = ctx.padded.pad(x)
+    if padded is not None:
+        x = padded.pad(x)
     inputs = _roles(args.quantizers, "input")
     _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True,
                              scales=list(scales) if scales else None)
@@ -380,9 +388,9 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     args: GroupedArgs = ctx.args
     n = ctx.n
     orig, scales, x_saved, w_saved, rows = _load(ctx)
-    if rows:  # the saved index, as the saved-tensor hooks hand it back
-        ctx.padded = Padded(rows[0], ctx.padded)
-        dy = ctx.padded.pad(dy)
+    padded = Padded(rows[0], ctx.pad_total) if rows else None  # the index as the saved-tensor hooks hand it back
+    if padded is not None:
+        dy = padded.pad(dy)
     grads = _roles(args.quantizers, "grad_output")
     if ctx.n_pad:  # the weights' zero rows: zero gradient columns
         dy = F.pad(dy, (0, ctx.n_pad))
@@ -390,11 +398,11 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     dx = None
     if need_dx:
         dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad")
-        if ctx.padded is not None:
-            dx = ctx.padded.unpad(dx)
+        if padded is not None:
+            dx = padded.unpad(dx)
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
-        x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved)
+        x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved, padded)
         dws = grouped_wgrad(dy_cols, x_cols, wgrad_dtype, name="wgrad")
         dws = [unpad_wgrad(d, ctx.n_pad, args.fuse_wgrad) for d in dws]
     return dx, dws
@@ -479,9 +487,8 @@ def grouped_linear(
     check_float_input(x, weights[0], name)
     x2d = x.reshape(-1, x.shape[-1])
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
-    align = pad_to if pad_to is not None else native_rows(quantizers, x2d.device)
-    if quantizers is None:
-        align = 1  # high-precision GEMMs take any split: zero rows would change nothing
+    # (high-precision GEMMs take any split: with FP8 off zero rows would change nothing)
+    align = 1 if quantizers is None else pad_to if pad_to is not None else native_rows(quantizers, x2d.device)
     rows: torch.Tensor | None = None
     real: tuple[int, ...] | None = None
     if align > 1 and any(m % align for m in splits):  # padded inside the function (``Padded``)

@@ -174,14 +174,14 @@ def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
 
 
 # ---- the steps' routes ------------------------------------------------------------------------
-def _cast(plan: GroupedPlan, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor, rowwise: bool,
+def _cast(plan: GroupedPlan, role: str, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor, rowwise: bool,
           columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
     """Every expert's copies of ``t`` in one launch, as ``quantize_segments_packed`` casts them:
     raw ``(row, row scales, col, col scales, per-tensor scales [E] | None)``. Delayed scaling
     calls it (the experts' histories and scales are its state: one stacked advance, one amax
     launch folding into the histories, the cast with the scales in force)."""
+    q = getattr(plan.quantizers[0], role)
     if plan.kind == "delayed":
-        role = "input" if q is plan.quantizers[0].input else "grad_output"
         seg = q.quantize_segments_packed(t, splits, peers=plan.peers[role], rowwise=rowwise, columnwise=columnwise)
         if seg is None:
             raise _Decline("no segmented delayed-scaling cast here")
@@ -231,14 +231,14 @@ class LeanGrouped(torch.autograd.Function):
         weights, biases = params[:g], params[g:]
         q_in = plan.quantizers[0].input
         padded = Padded(rows, sum(splits)) if rows is not None else None
-        ctx.padded = padded.total if padded is not None else None  # the index only among the saved tensors
+        ctx.pad_total = padded.total if padded is not None else None  # (the index: among the saved tensors)
         x_in = x
         if padded is not None:  # each expert's rows padded here, as _GroupedLinear pads them
             x = padded.pad(x)
         off = kernels.segment_offsets(splits, x.device)
         if x.is_cuda:
             gg._cublas_ready(x.device)  # as gemm_grouped's auto path does: a later capture needs the handle
-        xr, xrs, xc, xcs, xs = _cast(plan, q_in, x, splits, off, True, plan.wgrad and not plan.soi)
+        xr, xrs, xc, xcs, xs = _cast(plan, "input", x, splits, off, True, plan.wgrad and not plan.soi)
         w_rows, cols = w_fp8.rows, w_fp8.cols
         assert w_rows is not None and cols is not None
         m, n, k = sum(splits), plan.n, plan.k
@@ -247,8 +247,9 @@ class LeanGrouped(torch.autograd.Function):
         if padded is not None:
             y = padded.unpad(y)
         if biases and biases[0] is not None:
-            for yi, b in zip(y.split(list(real or splits)), biases):
-                yi.add_(b.to(yi.dtype))  # type: ignore[union-attr]
+            from .grouped_linear import add_expert_biases
+
+            add_expert_biases(y, real or splits, biases)
         ctx.plan, ctx.splits, ctx.real, ctx.weights, ctx.fuse_wgrad = plan, splits, real, weights, fuse_wgrad
         ctx.bias_dtype = biases[0].dtype if biases and biases[0] is not None else None
         ctx.w_layout = cols.layout
@@ -259,6 +260,8 @@ class LeanGrouped(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from .grouped_linear import accumulate_experts, expert_bias_grads
+
         plan: GroupedPlan = ctx.plan
         g = len(ctx.splits)
         dy = grad_out.contiguous()
@@ -266,30 +269,27 @@ class LeanGrouped(torch.autograd.Function):
         need_dw = plan.wgrad and any(ctx.needs_input_grad[7 : 7 + g])
         wgrad_dtype = torch.float32 if ctx.fuse_wgrad else ctx.weights[0].dtype
         saved = ctx.saved_tensors
-        dbs: list[torch.Tensor | None] = [None] * g
-        if ctx.bias_dtype is not None:
-            dbs = [d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) for d in dy.split(list(ctx.real or ctx.splits))]
-        if ctx.padded is not None:  # the saved index, as the saved-tensor hooks hand it back
-            ctx.padded = Padded(saved[0], ctx.padded)
+        dbs = expert_bias_grads(dy, ctx.real or ctx.splits, ctx.bias_dtype)
+        padded = None
+        if ctx.pad_total is not None:  # the saved index, as the saved-tensor hooks hand it back
+            padded = Padded(saved[0], ctx.pad_total)
             saved = saved[1:]
-            dy = ctx.padded.pad(dy)
+            dy = padded.pad(dy)
         if plan.backward_general or not _as_in_forward(ctx, plan, dy):
-            dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
+            dx, dws = _general_gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
         else:
             try:
-                dx, dws = _gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
+                dx, dws = _gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
                 if not isinstance(exc, _Decline):  # (a declined cast: its kernel guard has warned)
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
-                dx, dws = _general_gradients(ctx, plan, dy, saved, wgrad_dtype, need_dx, need_dw)
-        if dx is not None and ctx.padded is not None:
-            dx = ctx.padded.unpad(dx)
+                dx, dws = _general_gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
+        if dx is not None and padded is not None:
+            dx = padded.unpad(dx)
         if ctx.fuse_wgrad and need_dw:
-            from .grouped_linear import accumulate_experts
-
             dws = accumulate_experts(ctx.weights, dws)
         return dx, None, None, None, None, None, None, *dws, *dbs
 
@@ -310,7 +310,7 @@ def _aligned(scale: torch.Tensor, layout: ScaleLayout, g: int) -> torch.Tensor:
 
 
 def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
-               wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
+               padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
                ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """dgrad and wgrad as ``grouped_linear._backward_fp8`` computes them, in its order: dy's
     casts, dgrad, x's columnwise copy (``save_original_input``), wgrad."""
@@ -328,7 +328,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     off = kernels.segment_offsets(splits, dy.device)
     if dy.is_cuda:
         gg._cublas_ready(dy.device)
-    dyr, dyrs, dyc, dycs, _ = _cast(plan, q_dy, dy, splits, off, need_dx, need_dw)
+    dyr, dyrs, dyc, dycs, _ = _cast(plan, "grad_output", dy, splits, off, need_dx, need_dw)
     m, n, k = sum(splits), plan.n, plan.k
     if need_dx:  # dy [M, N] against each expert's columnwise weight [K, N]
         dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False)
@@ -336,7 +336,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
         from ..kernels import triton_grouped
 
         if plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
-            x = x_saved[0] if ctx.padded is None else ctx.padded.pad(x_saved[0])
+            x = x_saved[0] if padded is None else padded.pad(x_saved[0])
             if plan.blocked:
                 from ..kernels import triton_cast
 
@@ -357,7 +357,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
 
 
 def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
-                       wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
+                       padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
                        ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The same gradients through the general helpers, on Operands of the saved buffers."""
     from .grouped_linear import _cast_split, _roles
@@ -372,7 +372,7 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
     if need_dw:
         if plan.soi:
             scales = list(x_saved[1].unbind(0)) if len(x_saved) > 1 else None
-            x = x_saved[0] if ctx.padded is None else ctx.padded.pad(x_saved[0])
+            x = x_saved[0] if padded is None else padded.pad(x_saved[0])
             _, x_cols, _ = _cast_split(_roles(qs, "input"), x, splits, rowwise=False, columnwise=True, scales=scales)
         else:
             layout = qs[0].input.layout
