@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 CONFIGS: dict[str, list[str]] = {
     "dense-8b": ["--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
@@ -128,15 +129,17 @@ def _profile_dir(args: argparse.Namespace, config: str, v: Variant) -> str:
     return os.path.join(os.path.abspath(args.out), "profiles", f"{config}-{v.name}")
 
 
-def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, float] | None:
+def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, Any] | None:
     """``trace_step.summarize`` of the variant's profiled iteration (Megatron writes the trace
-    next to its TensorBoard folder), or None without one."""
+    next to its TensorBoard folder), with its ``top_kernels`` under ``"kernels"``, or None
+    without one."""
     path = os.path.join(_profile_dir(args, config, v), "torch_profile", "rank-0.json.gz")
     if not os.path.isfile(path):
         return None
     import trace_step  # scripts/: torch and the package, needed only here
 
-    return trace_step.summarize(trace_step.load(path))
+    events = trace_step.load(path)
+    return {**trace_step.summarize(events), "kernels": trace_step.top_kernels(events)}
 
 
 def _text(b: bytes | str | None) -> str:
@@ -253,7 +256,7 @@ def main() -> int:
             f.write(text)
         rules[kind] = f.name
     results: list[Result] = []
-    profiles: dict[str, dict[str, float]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     chosen = variants(args.variants.split(",") if args.variants else None)
     log = open(os.path.join(args.out, "bench_megatron.log"), "w")
     for config in args.configs.split(","):
@@ -280,8 +283,11 @@ def main() -> int:
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")
         import trace_step
 
-        print(trace_step.table(found) if found else "no trace was written (is --profile supported by this "
-                                                      "Megatron-LM?)")
+        print(trace_step.table({k: {c: x for c, x in p.items() if c != "kernels"} for k, p in found.items()})
+              if found else "no trace was written (is --profile supported by this Megatron-LM?)")
+        for name, p in found.items():
+            print(f"\n### {name}: the kernels with the most GPU time (ms per profiled iteration)\n")
+            print(trace_step.kernels_table(p["kernels"]))
         print(f"runs without a trace: {sorted(set(profiles) - set(found))}" if len(found) < len(profiles) else "")
         with open(os.path.join(args.out, "bench_megatron_profiles.json"), "w") as g:
             json.dump(profiles, g, indent=1)

@@ -173,6 +173,30 @@ def summarize(events: list[dict]) -> dict[str, float]:
     return out
 
 
+def top_kernels(events: list[dict], k: int = 15) -> list[tuple[str, str, int, float]]:
+    """The ``k`` kernels (and copies, memsets) with the most GPU time in the profiled steps:
+    ``(name, kind, calls per step, ms per step)``, most first: which GEMMs and casts a step's
+    time goes to, beyond ``summarize``'s totals per kind."""
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    n = max(len(steps), 1)
+    t0 = min((float(e["ts"]) for e in steps), default=float("-inf"))
+    t1 = max((float(e["ts"]) + float(e["dur"]) for e in steps), default=float("inf"))
+    calls: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATS and t0 <= float(e["ts"]) < t1:
+            name = str(e["name"])
+            calls[name] = calls.get(name, 0) + 1
+            total[name] = total.get(name, 0.0) + float(e["dur"])
+    ranked = sorted(total, key=total.__getitem__, reverse=True)[:k]
+    return [(name, kind(name), round(calls[name] / n), total[name] / n / 1e3) for name in ranked]
+
+
+def kernels_table(rows: list[tuple[str, str, int, float]]) -> str:
+    """``top_kernels`` as a markdown table (names cut to 90 characters)."""
+    return markdown_table(["kernel", "kind", "calls", "ms"], [[n[:90], kd, c, round(ms, 2)] for n, kd, c, ms in rows])
+
+
 COLUMNS = ("step", "gpu busy", "gpu idle", "gemm", "fp8 casts", "attention", "other", "host in our layers")
 
 

@@ -119,6 +119,10 @@ def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
     assert (s["gemm"], s["fp8 casts"], s["attention"], s["other"]) == (5.0, 0.5, 1.0, 1.0)
     assert s["host in our layers"] == 2.5  # _Linear's ranges and the lean path's (ops.lean)
     assert "| rank-0 |" in ts.table({"rank-0": s})
+    top = ts.top_kernels(ts.load(_trace(str(tmp_path))), k=3)  # the step's kernels by time, not the one after it
+    assert top == [("sm90_xmma_gemm_e4m3e4m3_bf16", "gemm", 1, 3.0), ("nvjet_tst_128x256", "gemm", 1, 2.0),
+                   ("pytorch_flash::flash_fwd_kernel", "attention", 1, 1.0)]
+    assert "| sm90_xmma_gemm_e4m3e4m3_bf16 | gemm | 1 | 3 |" in ts.kernels_table(top)
 
 
 def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[str]) -> None:
@@ -136,4 +140,5 @@ def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[
     where = os.path.join(os.path.dirname(tb), "torch_profile")  # Megatron writes it beside the TensorBoard dir
     os.makedirs(where)
     shutil.copy(_trace(str(tmp_path)), os.path.join(where, "rank-0.json.gz"))
-    assert bm.profile_of(args, "dense-1b", v)["gemm"] == 5.0
+    prof = bm.profile_of(args, "dense-1b", v)
+    assert prof["gemm"] == 5.0 and prof["kernels"][0][0] == "sm90_xmma_gemm_e4m3e4m3_bf16"
