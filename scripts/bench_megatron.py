@@ -15,8 +15,9 @@ default); peak memory is its ``max allocated`` report. Prints a table, writes
     python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
 
 Our runs go through ``python -m megatron_fp8.megatron.launch --count-gemms``: each prints how many
-FP8 GEMMs ran on which backend (the ``gemms`` column), proof that no GEMM was emulated. Recording
-them costs ~1 us a GEMM. ``--smoke``: four iterations per variant, no plot. ``--from-log LOG...``: the table, JSON and
+FP8 GEMMs ran on which backend (the ``gemms`` column), proof that no GEMM was emulated, and how
+many FP8 layer forwards the lean eager path served (``forwards``). Recording them costs ~1 us a
+GEMM. ``--smoke``: four iterations per variant, no plot. ``--from-log LOG...``: the table, JSON and
 plot again from the ``bench_megatron.log`` of earlier runs (also of a run cut short), no GPU.
 """
 
@@ -90,6 +91,7 @@ class Result:
     gemms: str
     rc: int
     tail: str
+    forwards: str = ""  # FP8 layer forwards by path (lean / general), as --count-gemms prints them
 
 
 def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> tuple[list[str], dict[str, str]]:
@@ -150,6 +152,7 @@ _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(
 WARMUP_ITERS = 10  # intervals ending here or before are warm-up (compiles, allocator, router, clocks)
 _MEM = re.compile(r"max allocated: ([\d.]+)")
 _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
+_FORWARDS = re.compile(r"megatron_fp8 \[rank 0\]: \d+ FP8 layer forwards \(([^)]*)\)")
 
 
 def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
@@ -159,10 +162,10 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
         steady = [t for _, t in logged][2:] or [t for _, t in logged][-1:]
     ms = statistics.median(steady) if steady else None
     mem = [float(m) for m in _MEM.findall(out)]
-    gemms = _GEMMS.findall(out)
+    gemms, forwards = _GEMMS.findall(out), _FORWARDS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
-                  gemms[-1] if gemms else "", rc, tail)
+                  gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "")
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)\n\$ (.*)$", re.M)
@@ -194,7 +197,8 @@ def table(results: list[Result]) -> str:
         ms = f"{r.ms:.1f}" if r.ms else f"rc={r.rc}"
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         mem = f"{r.max_alloc_mib:,.0f}" if r.max_alloc_mib else "-"
-        rows.append(f"{r.config:9} {r.variant:24} {ms:>8} {tps:>10} {rel:>11} {mem:>13}  {r.gemms}")
+        ways = f"; forwards: {r.forwards}" if r.forwards else ""
+        rows.append(f"{r.config:9} {r.variant:24} {ms:>8} {tps:>10} {rel:>11} {mem:>13}  {r.gemms}{ways}")
     return "\n".join(rows)
 
 

@@ -29,7 +29,11 @@ def test_parse_takes_the_steady_intervals_and_peak_memory() -> None:
     longer = _megatron_log([2000.0, 700.0, 300.0, 240.0, 230.0, 250.0, 220.0], 1.0, None)  # iterations 1..30
     assert bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), longer, 0, 1).ms == 235.0
     assert r.tokens_per_s == 4 * 4096 / 0.25
-    assert r.max_alloc_mib == 18150.5 and r.gemms.startswith("3840 FP8 GEMMs")
+    assert r.max_alloc_mib == 18150.5 and r.gemms.startswith("3840 FP8 GEMMs") and r.forwards == ""
+    counted = out + "\nmegatron_fp8 [rank 0]: 1280 FP8 layer forwards (general linear 2, lean linear 1278)"
+    r = bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), counted, 0, 4 * 4096)
+    assert r.forwards == "general linear 2, lean linear 1278"
+    assert "; forwards: general linear 2, lean linear 1278" in bm.table([r])
     failed = bm.parse("moe", bm.Variant("ours-delayed", True, "delayed"), "Traceback ...\nboom", 1, 4096)
     assert failed.ms is None and failed.rc == 1 and "boom" in failed.tail
 

@@ -131,6 +131,25 @@ def test_a_failing_route_warns_and_the_general_path_serves(monkeypatch: pytest.M
     assert list(layer._quantizers["weight"].__dict__["_plans"].values()) == [None]
 
 
+def test_forwards_are_counted_by_the_path_that_served_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops.paths.count_paths``: what ``megatron.launch --count-gemms`` reports, proof that a
+    training loop took the lean path; a lean forward that failed counts as the general one."""
+    from megatron_fp8.ops import paths
+
+    with paths.count_paths() as counts:
+        _steps(monkeypatch, "1", PRESETS["current"], False, True, False)
+        _steps(monkeypatch, "0", PRESETS["blockwise"], True, False, False, steps=1)
+        mf.Linear(256, 128, params_dtype=torch.bfloat16)(torch.randn(4, 256, dtype=torch.bfloat16))  # FP8 off
+    assert counts == {"lean linear": 2, "general linear": 1}
+    monkeypatch.setattr(routes, "gemm_route", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    with warnings.catch_warnings(), paths.count_paths() as counts:
+        warnings.simplefilter("ignore")
+        _steps(monkeypatch, "1", PRESETS["current"], False, False, False, steps=1)
+    assert counts == {"general linear": 1}
+    paths.note("lean linear")  # no count open: nothing kept
+    assert counts == {"general linear": 1}
+
+
 def test_a_failing_backward_route_warns_and_the_general_calls_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     """A route that fails in the plan's first backward (made there: dy's cast, dgrad, wgrad) is
     replaced by the general call, and the gradients are the general path's."""

@@ -16,7 +16,7 @@ import torch
 import megatron_fp8 as mf
 from megatron_fp8 import memory
 from megatron_fp8.modules.grouped import GroupedLinear
-from megatron_fp8.ops import lean_grouped
+from megatron_fp8.ops import lean_grouped, paths
 from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Format
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -127,11 +127,15 @@ def test_a_failing_forward_route_warns_and_the_general_path_serves(monkeypatch: 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("this device refuses the grouped GEMM")
 
+    with paths.count_paths() as served:
+        _steps(monkeypatch, "1", PRESETS["blockwise"], [128, 128])
     monkeypatch.setattr(lean_grouped, "_rows_gemm", refuse)
-    with pytest.warns(RuntimeWarning, match=r"fc1.*lean grouped FP8 path failed in forward"):
+    with pytest.warns(RuntimeWarning, match=r"fc1.*lean grouped FP8 path failed in forward"), \
+            paths.count_paths() as fell_back:
         planned, layer, node = _steps(monkeypatch, "1", PRESETS["blockwise"], [128, 128])
     assert node == "_GroupedLinearBackward" and _plans(layer) == [None]
     assert all(torch.equal(a, b) for a, b in zip(general, planned))
+    assert served == {"lean grouped": 2} and fell_back == {"general grouped": 2}  # (megatron.launch reports it)
 
 
 def test_a_failing_backward_route_warns_and_the_general_calls_serve(monkeypatch: pytest.MonkeyPatch) -> None:

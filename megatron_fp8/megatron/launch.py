@@ -8,7 +8,8 @@ there; ``compat.py`` says how the plug-in validates it instead). Under torchrun:
 megatron_fp8.megatron.plugin layer_spec ...``.
 
 ``--count-gemms`` (before SCRIPT): at exit, each rank prints how many FP8 GEMMs ran and on which
-backend (native cuBLAS, our Triton kernels, emulated): proof that a run was FP8 end to end.
+backend (native cuBLAS, our Triton kernels, emulated): proof that a run was FP8 end to end; and
+how many FP8 layer forwards the lean eager path served against the general one (``ops.paths``).
 """
 
 from __future__ import annotations
@@ -35,18 +36,22 @@ def _kind(call: GemmCall) -> str:
 def _count_gemms() -> None:
     """Record every FP8 GEMM of the run; print the counts per backend at exit."""
     from .. import gemm
+    from ..ops import paths
 
-    recording = gemm.record_gemms()
-    calls = recording.__enter__()  # open for the whole process (the reference keeps it open)
+    recording, counting = gemm.record_gemms(), paths.count_paths()
+    calls = recording.__enter__()  # open for the whole process (the references keep them open)
+    forwards = counting.__enter__()
 
     def report() -> None:
         kinds = collections.Counter(_kind(c) for c in calls)
         rank = os.environ.get("RANK", "0")
         parts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"
         print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)
+        ways = ", ".join(f"{k} {v}" for k, v in sorted(forwards.items())) or "none"
+        print(f"megatron_fp8 [rank {rank}]: {sum(forwards.values())} FP8 layer forwards ({ways})", flush=True)
 
     atexit.register(report)
-    _keep.append(recording)
+    _keep.extend((recording, counting))
 
 
 _keep: list[object] = []

@@ -69,6 +69,7 @@ from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
+from . import paths
 from .lean_grouped import grouped_plan_for, lean_grouped
 from .linear import (
     LinearQuantizers,
@@ -219,7 +220,8 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
         if args.quantizers is None:
             y = _forward_hp(ctx, x, weights)
-        else:  # (the index is saved; backward rebuilds the padding from it and the total)
+        else:
+            paths.note("general grouped")  # (the index is saved; backward rebuilds the padding from it and the total)
             padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
             ctx.pad_total = padded.total if padded is not None else None
             y = _forward_fp8(ctx, x, args, padded)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..quant.tensor import Operand, QuantizedTensor
-from . import routes
+from . import paths, routes
 
 if TYPE_CHECKING:
     from .linear import LinearQuantizers
@@ -156,6 +156,7 @@ class LeanLinear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.w_layout = wc.layout
         save_for_gradients(ctx, plan.wgrad, plan.soi, x, xs, xc, xcs, wc.data, wc.scale_inv)
+        paths.note("lean linear")  # (a forward that failed above is the general path's)
         if plan.comm is not None:
             return y.reshape(-1, *x.shape[1:-1], y.shape[-1])  # dim 0 may have been gathered
         return y.reshape(*x.shape[:-1], y.shape[-1])

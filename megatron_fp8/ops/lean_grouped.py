@@ -54,7 +54,7 @@ from ..quant.quantizer import _grouped
 from ..quant.quantizers import Segments
 from ..quant.tensor import SCALE_STRIDE, Operands, Pack
 from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer
-from . import routes
+from . import paths, routes
 from .lean import _lean_here, save_for_gradients
 from .padding import Padded
 
@@ -256,6 +256,7 @@ class LeanGrouped(torch.autograd.Function):
         ctx.settings, ctx.dy_group = routes.settings(), getattr(plan.quantizers[0].grad_output, "group", None)
         save_for_gradients(ctx, plan.wgrad, plan.soi, x_in, xs, xc, xcs, cols.data, cols.scale_inv,
                            (rows,) if rows is not None else ())
+        paths.note("lean grouped")  # (a forward that failed above is the general path's)
         return y
 
     @staticmethod

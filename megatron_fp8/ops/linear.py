@@ -32,6 +32,7 @@ from ..gemm import gemm
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
+from . import paths
 from .lean import lean_cast, lean_linear, plan_for
 
 
@@ -212,6 +213,8 @@ class _Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         x2d = _flat(x)
         ctx.fp8 = quantizers is not None
+        if ctx.fp8:
+            paths.note("general linear")
         ctx.x_shape, ctx.has_bias, ctx.fuse_wgrad = x.shape, bias is not None, fuse_wgrad
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_original_input, ctx.wgrad = save_original_input, wgrad
