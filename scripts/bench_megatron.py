@@ -50,9 +50,15 @@ COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
           "--untie-embeddings-and-output-weights", "--bf16", "--transformer-impl", "local", "--mock-data",
           "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--eval-iters", "0", "--eval-interval",
           "1000000", "--lr", "1e-4", "--lr-decay-style", "constant", "--weight-decay", "0.0", "--clip-grad", "1.0",
-          "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-          "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm", "--attention-softmax-in-fp32",
-          "--seed", "1234"]
+          "--attention-softmax-in-fp32", "--seed", "1234"]
+# Megatron's fusions that need what this machine lacks: apex (gradient-accumulation fusion, the
+# persistent layer norm), Transformer Engine (RoPE fusion), Megatron's compiled softmax kernels
+# (masked-softmax fusion, unused beside SDPA anyway). Off in both specs, always.
+NEEDS_TE_OR_APEX = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+                    "--no-persist-layer-norm"]
+# The ones Megatron runs by default without them (torch.compile'd SwiGLU and bias-dropout-add):
+# ``--fusions off`` (runs AC-AE) turns them off too, ``--fusions megatron`` keeps Megatron's default.
+COMPILED_FUSIONS_OFF = ["--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
 # Megatron's own linears with our core attention (SDPA on CUDA): attention for attention
 BASELINE_SPEC = ["--spec", "megatron_fp8.megatron.plugin", "baseline_spec"]
@@ -105,7 +111,8 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
               str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
               "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
     spec = SPEC if v.ours else BASELINE_SPEC if v.name == "megatron-bf16" else []
-    cmd = run + CONFIGS[config] + COMMON + layers + spec
+    fusions = NEEDS_TE_OR_APEX + (COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else [])
+    cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
     if v.recipe is not None:
         cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
@@ -241,6 +248,9 @@ def main() -> int:
                          "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--fusions", choices=("off", "megatron"), default="off",
+                    help="off: Megatron's SwiGLU and bias-dropout-add fusions off too (runs AC-AE); megatron: "
+                         "on, as Megatron runs by default (torch.compile'd); those needing apex or TE stay off")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.from_log:

@@ -89,6 +89,20 @@ def test_general_path_variants_turn_the_lean_path_off(monkeypatch) -> None:
         assert cmd[cmd.index("--fp8-recipe") + 1] == name.split("-")[1]
 
 
+def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:
+    """``--fusions megatron`` leaves the SwiGLU and bias-dropout-add fusions on (Megatron's
+    default), ``off`` turns them off too; those needing apex or TE are off either way, in both specs."""
+    import argparse
+
+    for fusions in ("off", "megatron"):
+        args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                                  fusions=fusions)
+        for name in ("megatron-bf16", "ours-tensorwise"):
+            cmd, _ = bm._command(args, "dense-8b", bm.variants([name])[0], "")
+            assert all(f in cmd for f in bm.NEEDS_TE_OR_APEX)
+            assert all((f in cmd) == (fusions == "off") for f in bm.COMPILED_FUSIONS_OFF)
+
+
 def _trace(tmp: str) -> str:
     """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms, kernels on two streams."""
     import gzip
