@@ -297,8 +297,8 @@ def main() -> int:
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")
         import trace_step
 
-        print(trace_step.table({k: {c: x for c, x in p.items() if c != "kernels"} for k, p in found.items()})
-              if found else "no trace was written (is --profile supported by this Megatron-LM?)")
+        print(trace_step.table(found) if found else "no trace was written (is --profile supported by this "
+                                                      "Megatron-LM?)")
         for name, p in found.items():
             print(f"\n### {name}: the kernels with the most GPU time (ms per profiled iteration)\n")
             print(trace_step.kernels_table(p["kernels"]))

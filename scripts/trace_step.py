@@ -146,19 +146,26 @@ def _union(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _window(events: list[dict]) -> tuple[int, float, float]:
+    """``(steps, start us, end us)`` of the profiled steps (no step annotations: the whole trace, one step)."""
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not steps:
+        steps = [e for e in events if e.get("ph") == "X" and "dur" in e]
+        return 1, min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps)
+    return len(steps), min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps)
+
+
+def _gpu_in(events: list[dict], t0: float, t1: float) -> list[dict]:
+    """The kernels, copies and memsets that start in ``[t0, t1)``."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and t0 <= float(e["ts"]) < t1]
+
+
 def summarize(events: list[dict]) -> dict[str, float]:
     """Milliseconds: ``step`` (the profiled steps' wall time, per step), ``gpu busy`` and ``gpu
     idle`` in it, per kernel kind (summed durations), and ``host in our layers`` (forward and
     backward ranges of our autograd functions), all per step; ``steps``: how many were profiled."""
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
-    if steps:
-        t0 = min(float(e["ts"]) for e in steps)
-        t1 = max(float(e["ts"]) + float(e["dur"]) for e in steps)
-    else:  # no step annotations: the whole trace
-        xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-        t0, t1 = min(float(e["ts"]) for e in xs), max(float(e["ts"]) + float(e["dur"]) for e in xs)
-    n = max(len(steps), 1)
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and t0 <= float(e["ts"]) < t1]
+    n, t0, t1 = _window(events)
+    gpu = _gpu_in(events, t0, t1)
     out: dict[str, float] = {"steps": float(n), "step": (t1 - t0) / n / 1e3}
     busy = _union((float(e["ts"]), min(float(e["ts"]) + float(e["dur"]), t1)) for e in gpu)
     out["gpu busy"] = busy / n / 1e3
@@ -177,17 +184,13 @@ def top_kernels(events: list[dict], k: int = 15) -> list[tuple[str, str, int, fl
     """The ``k`` kernels (and copies, memsets) with the most GPU time in the profiled steps:
     ``(name, kind, calls per step, ms per step)``, most first: which GEMMs and casts a step's
     time goes to, beyond ``summarize``'s totals per kind."""
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
-    n = max(len(steps), 1)
-    t0 = min((float(e["ts"]) for e in steps), default=float("-inf"))
-    t1 = max((float(e["ts"]) + float(e["dur"]) for e in steps), default=float("inf"))
+    n, t0, t1 = _window(events)
     calls: dict[str, int] = {}
     total: dict[str, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATS and t0 <= float(e["ts"]) < t1:
-            name = str(e["name"])
-            calls[name] = calls.get(name, 0) + 1
-            total[name] = total.get(name, 0.0) + float(e["dur"])
+    for e in _gpu_in(events, t0, t1):
+        name = str(e["name"])
+        calls[name] = calls.get(name, 0) + 1
+        total[name] = total.get(name, 0.0) + float(e["dur"])
     ranked = sorted(total, key=total.__getitem__, reverse=True)[:k]
     return [(name, kind(name), round(calls[name] / n), total[name] / n / 1e3) for name in ranked]
 

@@ -42,13 +42,15 @@ def _count_gemms() -> None:
     calls = recording.__enter__()  # open for the whole process (the references keep them open)
     forwards = counting.__enter__()
 
+    def tally(counts: collections.Counter[str]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
     def report() -> None:
-        kinds = collections.Counter(_kind(c) for c in calls)
         rank = os.environ.get("RANK", "0")
-        parts = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"
-        print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({parts})", flush=True)
-        ways = ", ".join(f"{k} {v}" for k, v in sorted(forwards.items())) or "none"
-        print(f"megatron_fp8 [rank {rank}]: {sum(forwards.values())} FP8 layer forwards ({ways})", flush=True)
+        kinds = collections.Counter(_kind(c) for c in calls)
+        print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({tally(kinds)})", flush=True)
+        print(f"megatron_fp8 [rank {rank}]: {sum(forwards.values())} FP8 layer forwards ({tally(forwards)})",
+              flush=True)
 
     atexit.register(report)
     _keep.extend((recording, counting))

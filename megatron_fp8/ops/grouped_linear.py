@@ -220,8 +220,8 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.bias_dtype = biases[0].dtype if ctx.has_bias else None
         if args.quantizers is None:
             y = _forward_hp(ctx, x, weights)
-        else:
-            paths.note("general grouped")  # (the index is saved; backward rebuilds the padding from it and the total)
+        else:  # (the index is saved; backward rebuilds the padding from it and the total)
+            paths.note("general grouped")
             padded = Padded(rows, sum(args.m_splits)) if rows is not None else None
             ctx.pad_total = padded.total if padded is not None else None
             y = _forward_fp8(ctx, x, args, padded)
