@@ -135,3 +135,29 @@ def test_one_nan_step_recovers_on_the_gpu(history: int) -> None:
     """RECIPES.md on the GPU: a delayed-scaling run (BF16, the kernels' one-launch step) with one
     NaN step takes the twin run's scales again from the step after next (tests/test_nonfinite.py)."""
     test_nonfinite.test_one_nan_step_does_not_hold_the_delayed_scale(history, "cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("history", [4, 1])
+def test_amax_folds_into_the_history_in_one_launch(history: int) -> None:
+    """Delayed scaling's one-launch amax and fold (``triton_scale.fold_amax_into``, the lean
+    route's) leaves every history entry as ``tensor_scaling.fold_amax`` of the reference amax,
+    for finite inputs and ones with a NaN or an inf, over shapes of one program and of many
+    (several K slices), call after call on the same atomic words, which end each launch zeroed."""
+    from megatron_fp8.kernels import triton_scale
+    from megatron_fp8.quant import reference
+    from megatron_fp8.quant.tensor_scaling import fold_amax
+
+    work = triton_scale.fold_work(torch.device(DEVICE))
+    gen = torch.Generator().manual_seed(0)
+    hist = torch.tensor([3.0, 5.0, 1.0, 0.5][:history])
+    want = hist.clone()
+    got = hist.to(DEVICE)
+    for i, (m, k, bad) in enumerate([(7, 33, None), (300, 1030, None), (40, 600, "nan"), (17, 256, "inf"),
+                                     (5, 4, None), (2048, 300, "-inf")]):
+        x = (torch.randn(m, k, generator=gen) * 2.0 ** (i - 2)).to(torch.bfloat16)
+        if bad is not None:
+            x[m // 2, k // 3] = float(bad)
+        fold_amax(want, reference.tensor_amax(x))
+        triton_scale.fold_amax_into(x.to(DEVICE), got, work)
+        assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), f"call {i} ({m}x{k}, {bad})"
+        assert torch.equal(work.cpu(), torch.zeros(2, dtype=torch.int32)), "the atomic words were left dirty"

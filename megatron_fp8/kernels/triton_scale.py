@@ -9,7 +9,9 @@ amax propagates as in ``torch.max``); ``_segment_scale_kernel`` reduces those pe
 turns the amax into ``(scale, 1/scale)`` in FP64, exactly as ``reference.amax_to_scale`` and
 ``torch.reciprocal`` do (a correctly rounded FP64 result rounded to FP32 is the correctly
 rounded FP32 result for a division). Scales of several segments lie 16 bytes apart
-(``SCALE_STRIDE``: cuBLAS rejects unaligned scale pointers).
+(``SCALE_STRIDE``: cuBLAS rejects unaligned scale pointers). ``_amax_fold_kernel`` is delayed
+scaling's amax and history fold in one launch: its programs meet in two atomic words, and the
+last one folds.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def _amax_of_partials(part_ptr, lo, hi, B: tl.constexpr):
 
 
 @triton.jit
+def _fold_into_history(amax, slot, L):
+    """``tensor_scaling.fold_amax`` of one FP32 ``amax`` into ``slot[0]`` of an ``[L]`` history:
+    the max with what the step's casts recorded; a non-finite amax records the previous step's
+    (``slot[1]``), or nothing when ``L == 1``."""
+    old = tl.load(slot)  # finite: a history holds finite amaxes only
+    prev = tl.load(slot + 1, mask=L > 1, other=0.0)
+    rec = tl.where(amax < float("inf"), amax, prev)  # an amax is >= 0 or NaN: NaN < inf is false
+    tl.store(slot, tl.where(old > rec, old, rec))
+
+
+@triton.jit
 def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr, hist_ptr, L,
                           SEG: tl.constexpr, SCALE: tl.constexpr, FMAX: tl.constexpr, EPS: tl.constexpr,
                           MARGIN_DIV: tl.constexpr, POW2: tl.constexpr, HIST: tl.constexpr, B: tl.constexpr):
@@ -95,15 +108,33 @@ def _segment_scale_kernel(part_ptr, seg_ptr, M, S, amax_ptr, scale_ptr, inv_ptr,
     amax = _amax_of_partials(part_ptr, lo, hi, B)
     tl.store(amax_ptr + e, amax)
     if HIST:
-        slot = hist_ptr + e.to(tl.int64) * L
-        old = tl.load(slot)  # finite: a history holds finite amaxes only
-        prev = tl.load(slot + 1, mask=L > 1, other=0.0)
-        rec = tl.where(amax < float("inf"), amax, prev)  # an amax is >= 0 or NaN: NaN < inf is false
-        tl.store(slot, tl.where(old > rec, old, rec))
+        _fold_into_history(amax, hist_ptr + e.to(tl.int64) * L, L)
     if SCALE:
         s, inv = _tensor_scale(amax, FMAX, EPS, MARGIN_DIV, POW2)
         tl.store(scale_ptr + e * SCALE_STRIDE, s)
         tl.store(inv_ptr + e * SCALE_STRIDE, inv)
+
+
+@triton.jit
+def _amax_fold_kernel(x_ptr, work_ptr, hist_ptr, M, K, k_per, L, R: tl.constexpr, BK: tl.constexpr):
+    """``max |x|`` folded into ``hist[0]`` in one launch: every program's maximum (FP32 bits)
+    joins ``work[0]`` atomically; the last program to finish (``work[1]`` counts them) folds it
+    into the history and leaves ``work`` zeroed for the next launch."""
+    pid_r, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_r * R + tl.arange(0, R)
+    acc = tl.zeros([R, BK], dtype=tl.int32)
+    k0 = pid_s * k_per
+    for kk in range(0, k_per, BK):
+        offs_k = k0 + kk + tl.arange(0, BK)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.atomic_max(work_ptr, tl.max(tl.max(acc, axis=1), axis=0))
+    done = tl.atomic_add(work_ptr + 1, 1)  # acquire-release: the last one sees every maximum
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        bits = tl.atomic_xchg(work_ptr, 0)
+        tl.atomic_xchg(work_ptr + 1, 0)
+        _fold_into_history(bits.to(tl.float32, bitcast=True), hist_ptr, L)
 
 
 @triton.jit
@@ -145,18 +176,24 @@ def _scale_from_amax_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr,
 
 _ROW_AMAX, _SEGMENT_SCALE = Launcher(_row_amax_kernel), Launcher(_segment_scale_kernel)
 _SCALE_FROM_AMAX, _DELAYED_STATE = Launcher(_scale_from_amax_kernel), Launcher(_delayed_state_kernel)
+_AMAX_FOLD = Launcher(_amax_fold_kernel)
 _R, _BK = 16, 256  # rows x columns per amax step
 _MIN_PROGRAMS = 1024
+
+
+def _amax_grid(m: int, k: int) -> tuple[int, int, int]:
+    """``(row programs, K slices, columns per slice)`` of an amax pass over ``[m, k]``."""
+    n_r = cdiv(m, _R)
+    n_kc = cdiv(k, _BK)
+    s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
+    k_per = cdiv(n_kc, s) * _BK
+    return n_r, (cdiv(k, k_per) if k else 1), k_per
 
 
 def _amax_partials(x: torch.Tensor, per_program: bool) -> tuple[torch.Tensor, int]:
     """``(part, s)``: |x| maxima as FP32 bits per row (or per ``_R``-row program) and K slice."""
     m, k = x.shape
-    n_r = cdiv(m, _R)
-    n_kc = cdiv(k, _BK)
-    s = max(1, min(n_kc, _MIN_PROGRAMS // max(n_r, 1)))
-    k_per = cdiv(n_kc, s) * _BK
-    s = cdiv(k, k_per) if k else 1
+    n_r, s, k_per = _amax_grid(m, k)
     part = torch.empty(((n_r if per_program else m) * s,), dtype=torch.int32, device=x.device)
     if m and k:
         _ROW_AMAX((n_r, s), x, part, m, k, s, k_per, R=_R, BK=_BK, PER_PROGRAM=per_program, num_warps=4)
@@ -189,6 +226,22 @@ def amax_and_scale(
         HIST=history is not None, B=1024, num_warps=4,
     )
     return amax, sc, inv
+
+
+def fold_work(device: torch.device) -> torch.Tensor:
+    """The two zeroed int32 words a ``fold_amax_into`` caller keeps for its launches."""
+    return torch.zeros((2,), dtype=torch.int32, device=device)
+
+
+def fold_amax_into(x: torch.Tensor, history: torch.Tensor, work: torch.Tensor) -> None:
+    """``max |x|`` of ``x [M, K]`` (contiguous, not empty) folded into ``history[0]`` (a
+    contiguous ``[L]`` FP32 history on ``x``'s device) as ``tensor_scaling.fold_amax`` folds it,
+    in one launch that allocates nothing: the programs meet in ``work`` (``fold_work``), which
+    each launch leaves zeroed. One ``work`` serves one caller's launches, one after another (a
+    quantizer's casts, on one stream); never two launches at once."""
+    m, k = x.shape
+    n_r, s, k_per = _amax_grid(m, k)
+    _AMAX_FOLD((n_r, s), x, work, history, m, k, k_per, history.shape[0], R=_R, BK=_BK, num_warps=4)
 
 
 def delayed_state(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int,

@@ -202,7 +202,8 @@ def _block_cast(q: Block1DQuantizer | Block2DQuantizer, x: torch.Tensor, rowwise
 
 def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, columnwise: bool) -> CastRoute | None:
     """Delayed scaling: the step's scale (``_advance``), this cast's amax folded into the
-    history in its launch, the cast with the scale in force (CUDA tile kernel where it serves)."""
+    history in one launch (``triton_scale.fold_amax_into``), the cast with the scale in force
+    (CUDA tile kernel where it serves)."""
     from ..kernels import cuda_cast, triton_cast
 
     q._to(x.device)
@@ -214,13 +215,15 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
     cuda = cuda_cast.serves(x.contiguous(), fp8, "tensor", rowwise, columnwise, True, scale_given=True) \
         and cuda_cast.prebuild("tensor", fp8, device) is not None
 
+    work = scales.fold_work(device)  # this route's atomic words (its casts run one after another)
+
     def run(x: torch.Tensor) -> Cast:
         x = x.contiguous()
         q._to(x.device)
         q._advance()
         hist = q.amax_history
-        if hist.is_contiguous():  # the amax joins the history in its launch
-            scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False, history=hist.unsqueeze(0))
+        if hist.is_contiguous():  # the amax joins the history in its one launch
+            scales.fold_amax_into(x, hist, work)
         else:
             fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))
         scale, inv = q.scale, q._scale_inv()
