@@ -51,19 +51,26 @@ def _tensor_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, MARGIN_DIV: tl.co
 
 
 @triton.jit
+def _slice_amax_bits(x_ptr, offs_m, M, K, k0, k_per, R: tl.constexpr, BK: tl.constexpr):
+    """``|x|`` of rows ``offs_m`` over columns ``k0 : k0 + k_per`` (a multiple of BK, so slices
+    never overlap) as FP32 bit patterns, maxima per ``[R, BK]`` position."""
+    acc = tl.zeros([R, BK], dtype=tl.int32)
+    for kk in range(0, k_per, BK):
+        offs_k = k0 + kk + tl.arange(0, BK)
+        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    return acc
+
+
+@triton.jit
 def _row_amax_kernel(x_ptr, part_ptr, M, K, S, k_per, R: tl.constexpr, BK: tl.constexpr,
                      PER_PROGRAM: tl.constexpr):
     """``part[m, s]`` = max |x[m, k]| over K slice ``s``, as FP32 bit patterns; with
     ``PER_PROGRAM`` one value per program, ``part[m // R, s]`` (over its R rows)."""
     pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     offs_m = pid_r * R + tl.arange(0, R)
-    acc = tl.zeros([R, BK], dtype=tl.int32)
-    k0 = pid_s * k_per  # k_per: a multiple of BK, so slices never overlap
-    for kk in range(0, k_per, BK):
-        offs_k = k0 + kk + tl.arange(0, BK)
-        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
-        acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    acc = _slice_amax_bits(x_ptr, offs_m, M, K, pid_s * k_per, k_per, R, BK)
     if PER_PROGRAM:
         tl.store(part_ptr + pid_r.to(tl.int64) * S + pid_s, tl.max(tl.max(acc, axis=1), axis=0))
     else:
@@ -122,13 +129,7 @@ def _amax_fold_kernel(x_ptr, work_ptr, hist_ptr, M, K, k_per, L, R: tl.constexpr
     into the history and leaves ``work`` zeroed for the next launch."""
     pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     offs_m = pid_r * R + tl.arange(0, R)
-    acc = tl.zeros([R, BK], dtype=tl.int32)
-    k0 = pid_s * k_per
-    for kk in range(0, k_per, BK):
-        offs_k = k0 + kk + tl.arange(0, BK)
-        mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-        v = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
-        acc = tl.maximum(acc, v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    acc = _slice_amax_bits(x_ptr, offs_m, M, K, pid_s * k_per, k_per, R, BK)
     tl.atomic_max(work_ptr, tl.max(tl.max(acc, axis=1), axis=0))
     done = tl.atomic_add(work_ptr + 1, 1)  # acquire-release: the last one sees every maximum
     if done == tl.num_programs(0) * tl.num_programs(1) - 1:
