@@ -147,12 +147,19 @@ def _union(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def _window(events: list[dict]) -> tuple[int, float, float]:
-    """``(steps, start us, end us)`` of the profiled steps (no step annotations: the whole trace, one step)."""
+    """``(steps, start us, end us)`` of the profiled steps (no step annotations: the whole trace,
+    one step). A step annotation shorter than half the longest is the stub torch.profiler leaves
+    where its schedule ends (or starts) recording, not an iteration: left out, as the window's
+    count of steps (Megatron's one-iteration profile read as two steps, halving every figure,
+    on the H100 2026-12-05)."""
     steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
     if not steps:
         steps = [e for e in events if e.get("ph") == "X" and "dur" in e]
         return 1, min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps)
-    return len(steps), min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps)
+    longest = max(float(e["dur"]) for e in steps)
+    full = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps if float(e["dur"]) >= longest / 2]
+    n = max(1, round(_union(full) / longest)) if longest > 0 else len(full)  # nested annotations: one step
+    return n, min(a for a, _ in full), max(b for _, b in full)
 
 
 def _gpu_in(events: list[dict], t0: float, t1: float) -> list[dict]:

@@ -104,7 +104,8 @@ def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:
 
 
 def _trace(tmp: str) -> str:
-    """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms, kernels on two streams."""
+    """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms (and the stub of the
+    next one, where recording stops), kernels on two streams."""
     import gzip
     import json
 
@@ -112,6 +113,7 @@ def _trace(tmp: str) -> str:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
     events = [x("user_annotation", "ProfilerStep#12", 1000.0, 10000.0),
+              x("user_annotation", "ProfilerStep#13", 11000.0, 400.0),  # the stub where recording ends
               x("cpu_op", "_Linear", 1100.0, 900.0), x("cpu_op", "_LinearBackward", 5000.0, 1100.0),
               x("cpu_op", "LeanLinear", 6500.0, 300.0), x("cpu_op", "LeanLinearBackward", 9000.0, 200.0),
               x("cpu_op", "aten::mm", 1200.0, 50.0),
@@ -141,6 +143,17 @@ def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
     assert top == [("sm90_xmma_gemm_e4m3e4m3_bf16", "gemm", 1, 3.0), ("nvjet_tst_128x256", "gemm", 1, 2.0),
                    ("pytorch_flash::flash_fwd_kernel", "attention", 1, 1.0)]
     assert "| sm90_xmma_gemm_e4m3e4m3_bf16 | gemm | 1 | 3 |" in ts.kernels_table(top)
+
+
+def test_trace_window_counts_full_steps_only() -> None:
+    import trace_step as ts
+
+    def step(i: int, ts0: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": ts0, "dur": dur}
+
+    assert ts._window([step(1, 0.0, 100.0), step(2, 100.0, 98.0)]) == (2, 0.0, 198.0)
+    assert ts._window([step(1, 0.0, 100.0), step(2, 100.0, 3.0)]) == (1, 0.0, 100.0)  # a stub: not a step
+    assert ts._window([step(1, 0.0, 100.0), step(2, 0.0, 100.0)]) == (1, 0.0, 100.0)  # one step annotated twice
 
 
 def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[str]) -> None:
