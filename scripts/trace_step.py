@@ -112,12 +112,13 @@ CASES = {
 
 # ---- summaries of a profiled training step (no GPU needed) ----
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-# kernel name -> kind; first match wins (our casts before GEMMs: "cast" also appears in cuBLAS names)
+# kernel name -> kind; first match wins (our casts before GEMMs: "cast" also appears in cuBLAS
+# names; attention before GEMMs: cuDNN's SDPA kernels are named "..._sdpa_sm90_flash_..._wgmma_...")
 KINDS: list[tuple[str, re.Pattern[str]]] = [
     ("fp8 casts", re.compile(r"^(_cast_tile|cast_tile|_current_persistent|_row_amax|_amax_of_partials|"
-                             r"_scale_from_amax|_segment_scale|_delayed_state)")),
+                             r"_scale_from_amax|_segment_scale|_delayed_state|_amax_fold)")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|_kgroup_kernel|_rows_kernel|wgmma|sm90_", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
 ]
 OUR_FUNCTIONS = re.compile(r"^(_Linear|_GroupedLinear|LeanLinear|LeanGrouped)(Backward)?$")  # ops.linear, ops.lean*
 

@@ -120,7 +120,8 @@ def _trace(tmp: str) -> str:
               x("kernel", "_current_persistent_kernel", 1500.0, 500.0),
               x("kernel", "sm90_xmma_gemm_e4m3e4m3_bf16", 2000.0, 3000.0),
               x("kernel", "nvjet_tst_128x256", 4000.0, 2000.0),  # overlaps the GEMM above (another stream)
-              x("kernel", "pytorch_flash::flash_fwd_kernel", 7000.0, 1000.0),
+              x("kernel", "pytorch_flash::flash_fwd_kernel", 7000.0, 600.0),
+              x("kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", 7600.0, 400.0),
               x("kernel", "elementwise_kernel", 8000.0, 500.0), x("gpu_memset", "Memset", 8500.0, 500.0),
               x("kernel", "sm90_gemm_outside", 20000.0, 5000.0)]  # after the step: not counted
     path = os.path.join(tmp, "rank-0.json.gz")
@@ -141,7 +142,8 @@ def test_trace_summary_splits_a_step(tmp_path: os.PathLike[str]) -> None:
     assert "| rank-0 |" in ts.table({"rank-0": s})
     top = ts.top_kernels(ts.load(_trace(str(tmp_path))), k=3)  # the step's kernels by time, not the one after it
     assert top == [("sm90_xmma_gemm_e4m3e4m3_bf16", "gemm", 1, 3.0), ("nvjet_tst_128x256", "gemm", 1, 2.0),
-                   ("pytorch_flash::flash_fwd_kernel", "attention", 1, 1.0)]
+                   ("pytorch_flash::flash_fwd_kernel", "attention", 1, 0.6)]
+    assert ts.kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"  # not a GEMM
     assert "| sm90_xmma_gemm_e4m3e4m3_bf16 | gemm | 1 | 3 |" in ts.kernels_table(top)
 
 
