@@ -1,6 +1,9 @@
 """Host cost per layer, eager (the eager-host-cost issue's table): host microseconds per
 forward + backward of each layer at a token count where the GPU idles, with the BF16 references
 (``nn.Linear``, ``torch._grouped_mm``) measured in the same process, and the ratio to them.
+Each step enters ``fp8_autocast`` anew and so casts the weight again; the rows "weight cast
+reused" pass ``is_first_microbatch=False``, as Megatron's loop does after an iteration's first
+micro-batch (a diagnostic beside the issue's rows).
 
 On CUDA, host time is the wall time of issuing ``--calls`` back-to-back steps (the GPU is not
 waited on; device time is given beside it: host >= device means the step is launch-bound). On
@@ -120,6 +123,9 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
         add(f"our Linear, {name}", _fwd_bwd(ours, x, dy, PRESETS[name]))
     for name in ("current", "blockwise", "delayed"):  # the same without the lean eager path (ops/lean.py)
         add(f"our Linear, {name}, general path", _general(_fwd_bwd(ours, x, dy, PRESETS[name])))
+    for name in ("current", "blockwise", "delayed"):  # Megatron's later micro-batches: the weight's cast kept
+        cached = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
+        add(f"our Linear, {name}, weight cast reused", _fwd_bwd(cached, x, dy, PRESETS[name], False))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
     add("our Linear, blockwise HYBRID", _fwd_bwd(ours, x, dy, Float8BlockScaling(fp8_format=Format.HYBRID)))
     xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)

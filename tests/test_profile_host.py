@@ -24,10 +24,12 @@ def test_table_from_two_processes(tmp_path: Path) -> None:
                "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "median of 2 process(es)" in out.stdout
-    assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 8  # the table, for ab_env.py
+    assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 11  # the table, for ab_env.py
     for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
                   "our Linear, blockwise HYBRID", "our Linear, delayed", "our Linear, current, general path",
                   "our Linear, blockwise, general path", "our Linear, delayed, general path",
+                  "our Linear, current, weight cast reused", "our Linear, blockwise, weight cast reused",
+                  "our Linear, delayed, weight cast reused",
                   "our GroupedLinear, FP8 off, even splits",
                   "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
                   "our GroupedLinear, current, router splits",
