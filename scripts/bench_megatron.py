@@ -140,15 +140,16 @@ def _profile_dir(args: argparse.Namespace, config: str, v: Variant) -> str:
 
 def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, Any] | None:
     """``trace_step.summarize`` of the variant's profiled iteration (Megatron writes the trace
-    next to its TensorBoard folder), with its ``top_kernels`` under ``"kernels"``, or None
-    without one."""
+    next to its TensorBoard folder), with its ``top_kernels`` under ``"kernels"`` and its step
+    annotations under ``"annotations"``, or None without one."""
     path = os.path.join(_profile_dir(args, config, v), "torch_profile", "rank-0.json.gz")
     if not os.path.isfile(path):
         return None
     import trace_step  # scripts/: torch and the package, needed only here
 
     events = trace_step.load(path)
-    return {**trace_step.summarize(events), "kernels": trace_step.top_kernels(events)}
+    return {**trace_step.summarize(events), "kernels": trace_step.top_kernels(events),
+            "annotations": trace_step.step_annotations(events)}
 
 
 def _text(b: bytes | str | None) -> str:
@@ -300,7 +301,9 @@ def main() -> int:
         print(trace_step.table(found) if found else "no trace was written (is --profile supported by this "
                                                       "Megatron-LM?)")
         for name, p in found.items():
-            print(f"\n### {name}: the kernels with the most GPU time (ms per profiled iteration)\n")
+            marks = ", ".join(f"{n} {ms} ms" for n, ms in p.get("annotations", []))
+            print(f"\n### {name}: the kernels with the most GPU time (ms per profiled iteration; "
+                  f"step annotations: {marks})\n")
             print(trace_step.kernels_table(p["kernels"]))
         print(f"runs without a trace: {sorted(set(profiles) - set(found))}" if len(found) < len(profiles) else "")
         with open(os.path.join(args.out, "bench_megatron_profiles.json"), "w") as g:

@@ -163,6 +163,14 @@ def _window(events: list[dict]) -> tuple[int, float, float]:
     return n, min(a for a, _ in full), max(b for _, b in full)
 
 
+def step_annotations(events: list[dict]) -> list[tuple[str, float]]:
+    """``(name, ms)`` of every ``ProfilerStep#`` annotation in the trace, in time order: what
+    ``_window`` counted from (a stub beside a full step shows here)."""
+    steps = sorted((float(e["ts"]), str(e["name"]), float(e["dur"])) for e in events
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))
+    return [(name, round(dur / 1e3, 2)) for _, name, dur in steps]
+
+
 def _gpu_in(events: list[dict], t0: float, t1: float) -> list[dict]:
     """The kernels, copies and memsets that start in ``[t0, t1)``."""
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and t0 <= float(e["ts"]) < t1]

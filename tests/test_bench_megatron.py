@@ -175,3 +175,4 @@ def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[
     shutil.copy(_trace(str(tmp_path)), os.path.join(where, "rank-0.json.gz"))
     prof = bm.profile_of(args, "dense-1b", v)
     assert prof["gemm"] == 5.0 and prof["kernels"][0][0] == "sm90_xmma_gemm_e4m3e4m3_bf16"
+    assert prof["annotations"] == [("ProfilerStep#12", 10.0), ("ProfilerStep#13", 0.4)]
