@@ -98,6 +98,19 @@ class Result:
     rc: int
     tail: str
     forwards: str = ""  # FP8 layer forwards by path (lean / general), as --count-gemms prints them
+    intervals: tuple[float, ...] = ()  # the steady log intervals the median is taken over (ms/iter)
+
+
+DRIFT = 0.10  # intervals whose first and last differ by more than this share of their median: not steady
+
+
+def drift(intervals: tuple[float, ...]) -> float | None:
+    """``(last - first) / median`` of the steady intervals where that exceeds ``DRIFT`` in size (a
+    run still warming up, or slowing down: its median is not a steady state), else None."""
+    if len(intervals) < 2:
+        return None
+    d = (intervals[-1] - intervals[0]) / statistics.median(intervals)
+    return d if abs(d) > DRIFT else None
 
 
 def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> tuple[list[str], dict[str, str]]:
@@ -173,7 +186,7 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
     gemms, forwards = _GEMMS.findall(out), _FORWARDS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
-                  gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "")
+                  gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady))
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)\n\$ (.*)$", re.M)
@@ -205,8 +218,14 @@ def table(results: list[Result]) -> str:
         ms = f"{r.ms:.1f}" if r.ms else f"rc={r.rc}"
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         mem = f"{r.max_alloc_mib:,.0f}" if r.max_alloc_mib else "-"
-        ways = f"; forwards: {r.forwards}" if r.forwards else ""
-        rows.append(f"{r.config:9} {r.variant:24} {ms:>8} {tps:>10} {rel:>11} {mem:>13}  {r.gemms}{ways}")
+        notes = [r.gemms] if r.gemms else []
+        if r.forwards:
+            notes.append(f"forwards: {r.forwards}")
+        d = drift(r.intervals)
+        if d is not None:
+            notes.append(f"NOT STEADY, intervals {' / '.join(f'{t:.0f}' for t in r.intervals)} ms ({d:+.0%} first "
+                         f"to last)")
+        rows.append(f"{r.config:9} {r.variant:24} {ms:>8} {tps:>10} {rel:>11} {mem:>13}  {'; '.join(notes)}")
     return "\n".join(rows)
 
 

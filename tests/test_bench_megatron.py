@@ -38,6 +38,15 @@ def test_parse_takes_the_steady_intervals_and_peak_memory() -> None:
     assert failed.ms is None and failed.rc == 1 and "boom" in failed.tail
 
 
+def test_table_flags_intervals_that_are_not_steady() -> None:
+    v = bm.Variant("megatron-bf16", False)
+    falling = bm.parse("moe", v, _megatron_log([2000.0, 1000.0, 735.0, 548.0, 517.0, 475.0, 476.0], 1.0, None), 0, 1)
+    assert falling.intervals == (548.0, 517.0, 475.0, 476.0) and falling.ms == 496.5
+    assert "NOT STEADY, intervals 548 / 517 / 475 / 476 ms (-15% first to last)" in bm.table([falling])
+    steady = bm.parse("moe", v, _megatron_log([2000.0, 1000.0, 153.0, 152.0, 144.7, 136.4, 143.2], 1.0, None), 0, 1)
+    assert bm.drift(steady.intervals) is None and "NOT STEADY" not in bm.table([steady])  # -7%: within 10%
+
+
 def test_from_log_rebuilds_results_and_table(tmp_path: os.PathLike[str]) -> None:
     log = os.path.join(tmp_path, "bench_megatron.log")
     with open(log, "w") as f:
