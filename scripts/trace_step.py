@@ -147,13 +147,18 @@ def _union(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _profiler_steps(events: list[dict]) -> list[dict]:
+    """The trace's ``ProfilerStep#`` annotations (torch.profiler's one per ``step()``)."""
+    return [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+
+
 def _window(events: list[dict]) -> tuple[int, float, float]:
     """``(steps, start us, end us)`` of the profiled steps (no step annotations: the whole trace,
     one step). A step annotation shorter than half the longest is the stub torch.profiler leaves
     where its schedule ends (or starts) recording, not an iteration: left out, as the window's
     count of steps (Megatron's one-iteration profile read as two steps, halving every figure,
     on the H100 2026-12-05)."""
-    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps = _profiler_steps(events)
     if not steps:
         steps = [e for e in events if e.get("ph") == "X" and "dur" in e]
         return 1, min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps)
@@ -166,8 +171,7 @@ def _window(events: list[dict]) -> tuple[int, float, float]:
 def step_annotations(events: list[dict]) -> list[tuple[str, float]]:
     """``(name, ms)`` of every ``ProfilerStep#`` annotation in the trace, in time order: what
     ``_window`` counted from (a stub beside a full step shows here)."""
-    steps = sorted((float(e["ts"]), str(e["name"]), float(e["dur"])) for e in events
-                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))
+    steps = sorted((float(e["ts"]), str(e["name"]), float(e["dur"])) for e in _profiler_steps(events))
     return [(name, round(dur / 1e3, 2)) for _, name, dur in steps]
 
 
