@@ -6,7 +6,8 @@ local spec in BF16 (the baseline: what a user has without us, run with the same 
 as our spec, ``baseline_spec``; and ``megatron-bf16-own-attn`` with its own unfused attention),
 our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
 ``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below), and each recipe
-without the lean eager path (``ours-<recipe>-general``: ``MEGATRON_FP8_LEAN=0``). Time per
+without the lean eager path (``ours-<recipe>-general``: ``MEGATRON_FP8_LEAN=0``), and with the
+opt-in per-layer CUDA graphs (``ours-<recipe>-graphs``: ``MEGATRON_FP8_GRAPHS=1``). Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
 ending after iteration 10 (warm-up; in a short run, after the first two; 30 iterations by
 default); peak memory is its ``max allocated`` report. Prints a table, writes
@@ -76,6 +77,7 @@ class Variant:
     flags: bool = False
     fmt: str = "hybrid"  # Megatron's --fp8-format (hybrid: E5M2 gradients, what Megatron users pass)
     general: bool = False  # MEGATRON_FP8_LEAN=0: our layers without the lean eager path (ops/lean.py)
+    graphs: bool = False  # MEGATRON_FP8_GRAPHS=1: our FP8 linears replay per-layer CUDA graphs (ops/graphed.py)
 
 
 def variants(names: list[str] | None) -> list[Variant]:
@@ -84,6 +86,7 @@ def variants(names: list[str] | None) -> list[Variant]:
         all_ += [Variant(f"ours-{r}", True, r), Variant(f"ours-{r}+flags", True, r, True)]
     all_.append(Variant("ours-blockwise-e4m3", True, "blockwise", fmt="e4m3"))  # the E5M2 GEMMs' share, apart
     all_ += [Variant(f"ours-{r}-general", True, r, general=True) for r in RECIPES]  # what the lean path buys
+    all_ += [Variant(f"ours-{r}-graphs", True, r, graphs=True) for r in RECIPES if r != "delayed"]  # opt-in graphs
     return [v for v in all_ if names is None or v.name in names]
 
 
@@ -139,8 +142,11 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
                                          env.get("PYTHONPATH", "")])
     env.pop("MEGATRON_FP8_CONFIG", None)
     env.pop("MEGATRON_FP8_LEAN", None)
+    env.pop("MEGATRON_FP8_GRAPHS", None)
     if v.general:
         env["MEGATRON_FP8_LEAN"] = "0"
+    if v.graphs:
+        env["MEGATRON_FP8_GRAPHS"] = "1"
     if v.flags:
         env["MEGATRON_FP8_CONFIG"] = rules
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -32,7 +32,8 @@ from ..gemm import gemm
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
-from . import paths
+from . import paths, routes
+from .graphed import GraphedLinear, graph_for
 from .lean import lean_cast, lean_linear, plan_for
 
 
@@ -353,8 +354,16 @@ def linear(
         # without our autograd function's Python on every call (the eager host cost)
         return F.linear(x, weight, bias)
     wgrad = torch.is_grad_enabled() and weight.requires_grad
-    if quantizers is not None:  # the lean path's plan, where it has one
+    if quantizers is not None:  # a per-layer CUDA graph (opt-in), else the lean path's plan, where it has one
         assert w_fp8 is not None
+
+        def run(x_s: torch.Tensor, w_s: QuantizedTensor) -> torch.Tensor:  # what the graph captures
+            return linear(x_s, weight, bias, w_fp8=w_s, quantizers=quantizers, save_original_input=save_original_input,
+                          fuse_wgrad_accumulation=fuse_wgrad_accumulation, comm=comm)
+        graph = graph_for(run, x, weight, bias, w_fp8, quantizers, fuse_wgrad_accumulation,
+                          (save_original_input, routes.settings()), comm)
+        if graph is not None:
+            return GraphedLinear.apply(x, weight, bias, w_fp8, graph)
         plan = plan_for(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation,
                         comm)
         y = lean_linear(x, weight, bias, w_fp8, plan, fuse_wgrad_accumulation) if plan is not None else None

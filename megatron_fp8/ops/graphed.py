@@ -1,0 +1,341 @@
+"""Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``.
+
+An eager FP8 linear pays ~0.6-0.9 ms of host time per forward+backward (its casts, GEMMs and
+autograd Python), more than its GPU work below hidden ~4096: the GPU idles (docs/benchmarks.md).
+With graphs on, each FP8 linear captures its forward (x's casts, fprop) and its backward (dy's
+casts, dgrad, wgrad, ``main_grad`` accumulation) once per input signature, as
+``torch.cuda.make_graphed_callables`` does for a module, and every later call replays them: the
+host cost of a call becomes two copies into static buffers and two graph launches. The loop
+around it stays eager (Megatron-LM's own, unchanged).
+
+What a call does, graphed:
+
+=========  =====================================================================================
+forward    x -> the graph's static input (a copy); the FP8 weight -> the graph's static copy
+           (only when the layer cast it anew: the first micro-batch of a step); replay; the
+           output is an alias of the graph's static output
+backward   dy -> static (a copy); replay; dx / dw / db are aliases of the graph's static grads
+=========  =====================================================================================
+
+Numbers: the captured calls are the layer's own (``ops.linear.linear``: the general path's
+capture routes), so outputs and gradients are those of the eager path bit for bit
+(tests/test_graphed_linear_gpu.py). Where it applies: CUDA, gradients on, no tensor-parallel
+communication (``comm``), stateless recipes (current scaling, 1x128 / 128x128 blocks); delayed
+scaling updates Python-side state per step and stays eager. One graph pair serves one
+micro-batch at a time: a second forward of the same layer and shape before the first one's
+backward (pipeline schedules) runs eagerly, with a warning. Anything else that stops a layer
+from being graphed warns once, naming the layer and why, and the layer runs eagerly.
+
+Memory: the graph keeps its buffers (static input, output, grads, what its backward reads)
+between calls, where the eager path frees them after backward; ``save_original_input`` then
+saves the static copy of x (so the flag's saving is the columnwise FP8 copy of the static
+buffers, not memory shared with another module), and saved-tensor accounting
+(``megatron_fp8.memory``) sees none of a graphed layer's tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .. import gemm as gemm_mod
+from ..quant.tensor import QuantizedTensor
+from . import paths
+
+ENV = "MEGATRON_FP8_GRAPHS"
+_MAX_SIGNATURES = 4  # graph pairs per layer (one per input shape); beyond, the layer runs eagerly
+_warned: set[tuple[str, str]] = set()
+
+
+def graphs_on() -> bool:
+    """``MEGATRON_FP8_GRAPHS``: ``1`` captures and replays FP8 linears (module docstring), ``0``
+    (the default) runs them eagerly."""
+    v = os.environ.get(ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV}={v!r}; allowed: '1' (FP8 linears replay per-layer CUDA graphs) or '0' (eager)")
+    return v == "1"
+
+
+def _warn_once(owner: str, why: str) -> None:
+    if (owner, why) not in _warned:
+        _warned.add((owner, why))
+        warnings.warn(f"megatron_fp8: {owner}: {ENV}=1 but {why}; it runs eagerly", RuntimeWarning, stacklevel=4)
+
+
+def _owner(q: Any) -> str:
+    return q.input.name.rsplit(" ", 1)[0]  # "Linear(proj)" of "Linear(proj) input"
+
+
+def _not_graphable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor,
+                   q: Any, comm: Any) -> str | None:
+    """Why this call cannot be graphed (a warning's words), or None."""
+    from ..quant.block_scaling import Block1DQuantizer, Block2DQuantizer
+    from ..quant.quantizer import _grouped
+    from ..quant.tensor_scaling import CurrentScalingQuantizer
+
+    if not x.is_cuda:
+        return "CUDA graphs need CUDA tensors"
+    if comm is not None:
+        return "tensor-parallel communication is not captured yet"
+    stateless = (CurrentScalingQuantizer, Block1DQuantizer, Block2DQuantizer)
+    if not all(type(t) in stateless for t in (q.input, q.weight, q.grad_output)):
+        return f"its recipe's quantizers ({type(q.input).__name__}) keep per-step state; graphs serve current " \
+               f"scaling and 1x128 / 128x128 blocks"
+    if any(_grouped(getattr(t, "group", None)) for t in (q.input, q.grad_output)):
+        return "its amaxes are reduced over a process group"
+    if any(op is not None and op.pack is not None for op in (w_fp8.rowwise, w_fp8.columnwise)):
+        return "its FP8 weight is a view of a grouped cast"
+    if not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return "nothing it computes needs a gradient"
+    return None
+
+
+class LinearGraph:
+    """One layer's captured forward and backward for one input signature, and their buffers."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.x_s: torch.Tensor | None = None
+        self.w_s: QuantizedTensor | None = None
+        self.w_src: Callable[[], Any] = lambda: None  # weakref of the FP8 weight last copied in
+        self.y_s: torch.Tensor | None = None
+        self.dy_s: torch.Tensor | None = None
+        self.grads: tuple[torch.Tensor | None, ...] = ()
+        self.wants: tuple[bool, bool, bool] = (False, False, False)  # grads of x, weight, bias
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd = torch.cuda.CUDAGraph()
+        self.grad_out: tuple[torch.Tensor | None, ...] = ()  # what backward returns (kept: see _capture)
+        self.fused = False  # the wgrad is added into weight.main_grad (Megatron's fusion)
+        self.fwd_gemms: list[gemm_mod.GemmCall] = []
+        self.bwd_gemms: list[gemm_mod.GemmCall] = []
+        self.lease: _Lease | None = None  # set from a forward until its backward ran
+
+    def load_weight(self, w_fp8: QuantizedTensor) -> None:
+        """Copy the layer's FP8 weight into the graph's, unless it is the one copied last."""
+        assert self.w_s is not None
+        if self.w_src() is w_fp8:
+            return
+        torch._foreach_copy_(self.w_s.tensors(), w_fp8.tensors())
+        try:
+            self.w_src = weakref.ref(w_fp8)
+        except TypeError:
+            self.w_src = lambda: None
+
+
+class _Lease:
+    """Holds a graph from a forward until its backward ran or its autograd graph is gone (the
+    graph's buffers hold that micro-batch's activations)."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: LinearGraph) -> None:
+        self.graph = graph
+        graph.lease = self
+
+    def release(self) -> None:
+        if self.graph.lease is self:  # not a later forward's
+            self.graph.lease = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class GraphedLinear(torch.autograd.Function):
+    """A captured linear, replayed: the same outputs and gradients as the eager call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                w_fp8: QuantizedTensor, g: LinearGraph) -> torch.Tensor:
+        assert g.x_s is not None and g.y_s is not None
+        g.x_s.copy_(x)
+        g.load_weight(w_fp8)
+        g.fwd.replay()
+        _replay_records(g.fwd_gemms)
+        paths.note("graphed linear")
+        ctx.lease, ctx.weight = _Lease(g), weight
+        return g.y_s.detach()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        lease: _Lease = ctx.lease
+        g = lease.graph
+        assert g.dy_s is not None
+        g.dy_s.copy_(dy)
+        g.bwd.replay()
+        _replay_records(g.bwd_gemms)
+        lease.release()
+        if g.fused and g.wants[1] and hasattr(ctx.weight, "grad_added_to_main_grad"):
+            ctx.weight.grad_added_to_main_grad = True  # as the eager fused wgrad sets it (ops.linear)
+        dx, dw, db = g.grad_out
+        return dx, dw, db, None, None
+
+
+def _replay_records(calls: list[gemm_mod.GemmCall]) -> None:
+    """Tell open ``record_gemms()`` blocks about the GEMMs a replay ran (the capture recorded them
+    once, hidden from them: ``_isolated``)."""
+    if gemm_mod._state.records:
+        for c in calls:
+            gemm_mod.record(c.name, c.backend, c.layouts, c.mnk)
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[list[gemm_mod.GemmCall]]:
+    """The GEMMs recorded inside the block, kept from every open ``record_gemms()`` and path
+    count (a capture runs no GEMM: its replays are what count)."""
+    outer, opened = gemm_mod._state.records, list(paths._open)
+    calls: list[gemm_mod.GemmCall] = []
+    gemm_mod._state.records = [calls]
+    paths._open.clear()
+    try:
+        yield calls
+    finally:
+        gemm_mod._state.records = outer
+        paths._open[:] = opened
+
+
+@contextlib.contextmanager
+def _scratch_main_grad(weight: torch.Tensor) -> Iterator[None]:
+    """Warm-up calls add their wgrad into a scratch ``main_grad``, not the real one (Megatron's
+    gradient-accumulation fusion), and leave ``grad_added_to_main_grad`` as it was."""
+    real = getattr(weight, "main_grad", None)
+    flag = getattr(weight, "grad_added_to_main_grad", None)
+    if real is not None:
+        weight.main_grad = torch.zeros_like(real)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if real is not None:
+            weight.main_grad = real  # type: ignore[attr-defined]
+        if flag is not None:
+            weight.grad_added_to_main_grad = flag  # type: ignore[attr-defined]
+
+
+def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
+    """``qt`` with every tensor cloned (same shapes and strides): the graph's own FP8 weight."""
+    from dataclasses import replace
+
+    def op(o: Any) -> Any:
+        return None if o is None else replace(o, data=o.data.clone(), scale_inv=o.scale_inv.clone())
+    return replace(qt, rowwise=op(qt.rowwise), columnwise=op(qt.columnwise),
+                   scale=qt.scale.clone() if qt.scale is not None else None)
+
+
+@contextlib.contextmanager
+def _kept_flag(weight: torch.Tensor) -> Iterator[None]:
+    """A capture's fused wgrad sets ``grad_added_to_main_grad`` without adding anything: undone."""
+    flag = getattr(weight, "grad_added_to_main_grad", None)
+    try:
+        yield
+    finally:
+        if flag is not None:
+            weight.grad_added_to_main_grad = flag  # type: ignore[attr-defined]
+
+
+_capturing: list[bool] = []  # a capture (or its warm-up) of ours is under way: its calls run eagerly
+
+
+def _capture(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str, fused: bool) -> LinearGraph:
+    _capturing.append(True)
+    try:
+        return _capture_now(run, x, weight, bias, w_fp8, owner, fused)
+    finally:
+        _capturing.pop()
+
+
+def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor,
+                 weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
+                 fused: bool) -> LinearGraph:
+    g = LinearGraph(owner)
+    g.fused = fused
+    x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    x_s.copy_(x)
+    x_s.requires_grad_(x.requires_grad)
+    g.x_s, g.w_s = x_s, _static_copy(w_fp8)
+    g.wants = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    inputs = [t for t, w in zip((x_s, weight, bias), g.wants, strict=True) if w]
+    assert all(t is not None for t in inputs)
+
+    def step(dy: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        y = run(x_s, g.w_s)  # type: ignore[arg-type]
+        grads = torch.autograd.grad(y, inputs, y if dy is None else dy, retain_graph=dy is not None,
+                                    allow_unused=True)
+        return y, grads
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with _isolated(), _scratch_main_grad(weight), torch.cuda.stream(side):
+        for _ in range(2):  # Triton compiles, cuBLAS handles and workspaces, the routes' caches
+            step(None)
+    torch.cuda.current_stream().wait_stream(side)
+    pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
+    with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, capture_error_mode="thread_local"):
+        g.y_s = run(x_s, g.w_s)
+    g.dy_s = torch.empty_like(g.y_s)
+    with _isolated() as bwd_gemms, _kept_flag(weight), \
+            torch.cuda.graph(g.bwd, pool=pool, capture_error_mode="thread_local"):
+        got = iter(torch.autograd.grad(g.y_s, inputs, g.dy_s, retain_graph=True, allow_unused=True))
+        g.grads = tuple(next(got) if w else None for w in g.wants)
+    # backward hands autograd these same objects every time: held here too, autograd never takes
+    # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
+    g.grad_out = tuple(t.detach() if t is not None else None for t in g.grads)
+    g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
+    return g
+
+
+def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, fused: bool, comm: Any,
+               held: int) -> LinearGraph | None:
+    """A new signature's graph, or None (warned once, naming the layer and why) where it runs eagerly."""
+    why = _not_graphable(x, weight, bias, w_fp8, q, comm)
+    if why is None and held >= _MAX_SIGNATURES:
+        why = f"it holds graphs for {_MAX_SIGNATURES} input shapes already"
+    if why is not None:
+        _warn_once(_owner(q), why)
+        return None
+    try:
+        return _capture(run, x, weight, bias, w_fp8, _owner(q), fused)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
+        _warn_once(_owner(q), f"its capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        return None
+
+
+def graph_for(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, fused: bool, key: tuple[Any, ...],
+              comm: Any) -> LinearGraph | None:
+    """The layer's graph for this call (captured at its first call), or None where the call runs
+    eagerly (graphs off, a capture under way, a reason ``_not_graphable`` names, the graph held by
+    a micro-batch whose backward is still to come). ``run(x, w_fp8)``: the layer's eager call,
+    which the graph captures; ``key``: what else decides the call (flags, settings)."""
+    if _capturing or not torch.is_grad_enabled() or not graphs_on():
+        return None
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # the caller's own capture
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        _warn_once(_owner(q), "torch.autocast is on")
+        return None
+    graphs: dict[tuple[Any, ...], LinearGraph | None] = q.__dict__.setdefault("_graphs", {})
+    main_grad = getattr(weight, "main_grad", None) if fused else None
+    key = (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, weight.data_ptr(), weight.requires_grad,
+           None if bias is None else (bias.data_ptr(), bias.requires_grad),
+           None if main_grad is None else main_grad.data_ptr(), fused, getattr(q.input, "group", None),
+           getattr(q.grad_output, "group", None), comm, *key)
+    g = graphs.get(key, False)
+    if g is False:  # the first call of this signature: graphable, and captured, or run eagerly from now on
+        g = graphs[key] = _new_graph(run, x, weight, bias, w_fp8, q, fused, comm,
+                                     sum(v is not None for v in graphs.values()))
+    if g is None:
+        return None
+    if g.lease is not None:
+        _warn_once(g.owner, "a second micro-batch's forward came before the first one's backward (its graph "
+                   "holds one micro-batch)")
+        return None
+    return g

@@ -1,0 +1,51 @@
+"""Per-layer CUDA graphs (``MEGATRON_FP8_GRAPHS``, ops/graphed.py) where they cannot run: a bad
+setting is named, and a layer asked to replay graphs on the CPU warns once, naming itself and
+why, and computes what the eager layer computes, bit for bit. (Graphed numbers against eager:
+tests/test_graphed_linear_gpu.py.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8.ops import graphed, paths
+from megatron_fp8.recipe import PRESETS
+
+
+def _step(graphs: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[str], dict[str, int]]:
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
+    torch.manual_seed(1)
+    layer = mf.Linear(128, 64, params_dtype=torch.bfloat16, name="cpu_fc")
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught, paths.count_paths() as counts:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+                y = layer(x)
+            y.float().square().sum().backward()
+    return [y.detach(), x.grad, layer.weight.grad], [str(w.message) for w in caught], dict(counts)
+
+
+def test_graphs_on_the_cpu_warn_once_and_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    graphed._warned.clear()
+    eager, _, _ = _step("0", monkeypatch)
+    asked, messages, counts = _step("1", monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(eager, asked, strict=True))
+    ours = [m for m in messages if "MEGATRON_FP8_GRAPHS" in m]
+    assert len(ours) == 1 and "Linear(cpu_fc)" in ours[0] and "CUDA" in ours[0], messages
+    assert "graphed linear" not in counts
+
+
+def test_bad_graphs_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "yes")
+    layer = mf.Linear(128, 64, params_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="MEGATRON_FP8_GRAPHS='yes'"), mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        layer(torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True))
+
+
+def test_graphs_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEGATRON_FP8_GRAPHS", raising=False)
+    assert not graphed.graphs_on()

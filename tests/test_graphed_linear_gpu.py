@@ -1,0 +1,115 @@
+"""Per-layer CUDA graphs (``MEGATRON_FP8_GRAPHS=1``, ops/graphed.py) on the GPU: a graphed FP8
+``Linear`` gives the eager layer's outputs and gradients bit for bit over several steps of
+micro-batches (weights updated in place between steps, the FP8 weight cast once per step),
+reports the same GEMMs, falls back to eager (warning) where one graph cannot serve, and
+replays: the capture happens once."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import megatron_fp8 as mf
+from megatron_fp8.ops import paths
+from megatron_fp8.recipe import PRESETS, Float8BlockScaling, Format
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RECIPES = {"current": PRESETS["current"], "blockwise": PRESETS["blockwise"],
+           "blockwise-hybrid": Float8BlockScaling(fp8_format=Format.HYBRID)}
+
+
+def _train(monkeypatch: pytest.MonkeyPatch, graphs: str, recipe: object, soi: bool, bias: bool, fused: bool,
+           tokens: int = 256) -> tuple[list[torch.Tensor], list[tuple[str, str]], dict[str, int]]:
+    """Three steps of two micro-batches (``is_first_microbatch`` as Megatron sets it), an SGD
+    update in place between steps; every output and gradient, cloned."""
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
+    torch.manual_seed(5)
+    layer = mf.Linear(512, 384, bias=bias, params_dtype=torch.bfloat16, device="cuda", save_original_input=soi,
+                      fuse_wgrad_accumulation=fused, name="fc")
+    if fused:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device="cuda")
+    out: list[torch.Tensor] = []
+    with mf.gemm.record_gemms() as calls, paths.count_paths() as counts:
+        for _step in range(3):
+            for micro in range(2):
+                x = torch.randn(2, tokens // 2, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                h = x * 1.5  # not a leaf: as in a model
+                dy = torch.randn(2, tokens // 2, 384, dtype=torch.bfloat16, device="cuda")
+                with mf.fp8_autocast(fp8_recipe=recipe):
+                    y = layer(h, is_first_microbatch=micro == 0)
+                y.backward(dy)
+                out += [y.detach().clone(), x.grad.clone()]
+            out.append(layer.weight.main_grad.clone() if fused else layer.weight.grad.clone())
+            if bias:
+                out.append(layer.bias.grad.clone())
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p -= 0.1 * (p.main_grad.to(p.dtype) if fused and p is layer.weight else p.grad)
+                    p.grad = None
+                if fused:
+                    layer.weight.main_grad.zero_()
+    torch.cuda.synchronize()
+    return out, [(c.name, c.backend.value) for c in calls], dict(counts)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("soi", [False, True])
+def test_graphed_equals_eager(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+    eager, eager_calls, eager_paths = _train(monkeypatch, "0", RECIPES[recipe], soi, True, False)
+    graphed, graphed_calls, graphed_paths = _train(monkeypatch, "1", RECIPES[recipe], soi, True, False)
+    for i, (a, b) in enumerate(zip(eager, graphed, strict=True)):
+        assert torch.equal(a, b), (recipe, soi, i, (a.float() - b.float()).abs().max().item())
+    assert graphed_paths.get("graphed linear") == 6, graphed_paths  # every forward replayed
+    assert sorted(graphed_calls) == sorted(eager_calls)  # the same GEMMs, same backends, reported per replay
+    assert sum(eager_paths.values()) == 6
+
+
+def test_graphed_fused_wgrad_and_unaligned_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main_grad`` accumulation inside the graph (Megatron's fusion), and a token count the
+    block recipe pads (200: not a multiple of 128)."""
+    for recipe, tokens in (("current", 256), ("blockwise", 200)):
+        eager, _, _ = _train(monkeypatch, "0", RECIPES[recipe], False, False, True, tokens)
+        graphed, _, counts = _train(monkeypatch, "1", RECIPES[recipe], False, False, True, tokens)
+        assert counts.get("graphed linear") == 6, counts
+        for i, (a, b) in enumerate(zip(eager, graphed, strict=True)):
+            assert torch.equal(a, b), (recipe, i)
+
+
+def test_second_forward_before_backward_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two micro-batches in flight (a pipeline schedule): the second runs eagerly, with a
+    warning naming the layer, and both backwards give the eager gradients."""
+    results = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
+        torch.manual_seed(2)
+        layer = mf.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda", name="inflight")
+        xs = [torch.randn(256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3)]
+        with warnings.catch_warnings(record=True) as caught, paths.count_paths() as counts:
+            warnings.simplefilter("always")
+            with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+                y0 = layer(xs[0] * 1.0)  # captures, replays
+                y1 = layer(xs[1] * 1.0)  # the graph holds y0's micro-batch: eager
+            kept = [y0.detach().clone(), y1.detach().clone()]  # y0 is the graph's buffer until its next forward
+            (y0.float().square().sum() + y1.float().square().sum()).backward()
+            with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+                y2 = layer(xs[2] * 1.0)  # free again: replayed
+            y2.float().sum().backward()
+        results[graphs] = ([*kept, y2, *(x.grad for x in xs), layer.weight.grad], dict(counts),
+                           [str(w.message) for w in caught])
+    for a, b in zip(results["0"][0], results["1"][0], strict=True):
+        assert torch.equal(a, b)
+    assert results["1"][1] == {"graphed linear": 2, "lean linear": 1}, results["1"][1]
+    assert any("Linear(inflight)" in m and "second micro-batch" in m for m in results["1"][2]), results["1"][2]
+
+
+def test_delayed_scaling_warns_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
+    layer = mf.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda", name="delayedfc")
+    x = torch.randn(256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"Linear\(delayedfc\).*per-step state"), paths.count_paths() as counts:
+        with mf.fp8_autocast(fp8_recipe=PRESETS["delayed"]):
+            layer(x).sum().backward()
+    assert "graphed linear" not in counts
