@@ -63,7 +63,9 @@ def test_graphed_equals_eager(monkeypatch: pytest.MonkeyPatch, recipe: str, soi:
     for i, (a, b) in enumerate(zip(eager, graphed, strict=True)):
         assert torch.equal(a, b), (recipe, soi, i, (a.float() - b.float()).abs().max().item())
     assert graphed_paths.get("graphed linear") == 6, graphed_paths  # every forward replayed
-    assert sorted(graphed_calls) == sorted(eager_calls)  # the same GEMMs, same backends, reported per replay
+    # the same GEMMs reported per replay, none emulated (a capture may name another native kernel: "[cublaslt]")
+    assert sorted(n.split("[")[0] for n, _ in graphed_calls) == sorted(n.split("[")[0] for n, _ in eager_calls)
+    assert {b for _, b in graphed_calls} == {"native"}
     assert sum(eager_paths.values()) == 6
 
 
