@@ -11,7 +11,8 @@ a CPU there is no asynchronous device: the wall time per step is printed (a prox
 dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
 measurement in N fresh processes and prints the median of each cell. The rows marked "general
 path" run our ``Linear`` and ``GroupedLinear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager paths), for the
-comparison in the same processes.
+comparison in the same processes; on CUDA the rows "CUDA graphs" run it with ``MEGATRON_FP8_GRAPHS=1``
+(ops/graphed.py: each step replays the layer's captured forward and backward).
 
     python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
 """
@@ -62,20 +63,25 @@ def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: 
     return step
 
 
-def _general(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with ``MEGATRON_FP8_LEAN=0`` (the general path; the setting is read per call),
-    restored after (the two environment writes are inside the timed step)."""
-    def general() -> None:
-        before = os.environ.get("MEGATRON_FP8_LEAN")
-        os.environ["MEGATRON_FP8_LEAN"] = "0"
+def _with_env(step: Callable[[], None], var: str, value: str) -> Callable[[], None]:
+    """``step`` with the setting ``var=value`` (read per call), restored after (the two
+    environment writes are inside the timed step)."""
+    def run() -> None:
+        before = os.environ.get(var)
+        os.environ[var] = value
         try:
             step()
         finally:
             if before is None:
-                del os.environ["MEGATRON_FP8_LEAN"]
+                del os.environ[var]
             else:
-                os.environ["MEGATRON_FP8_LEAN"] = before
-    return general
+                os.environ[var] = before
+    return run
+
+
+def _general(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with ``MEGATRON_FP8_LEAN=0``: the general path."""
+    return _with_env(step, "MEGATRON_FP8_LEAN", "0")
 
 
 def _grouped_mm_step(x: torch.Tensor, w: torch.Tensor, splits: list[int], dy: torch.Tensor) -> Callable[[], None]:
@@ -128,6 +134,13 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
         add(f"our Linear, {name}, weight cast reused", _fwd_bwd(cached, x, dy, PRESETS[name], False))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
     add("our Linear, blockwise HYBRID", _fwd_bwd(ours, x, dy, Float8BlockScaling(fp8_format=Format.HYBRID)))
+    if CUDA:  # the opt-in per-layer CUDA graphs (ops/graphed.py): captured at the first call, then replayed
+        for name in ("current", "blockwise"):
+            graphed = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
+            add(f"our Linear, {name}, CUDA graphs (MEGATRON_FP8_GRAPHS=1)",
+                _with_env(_fwd_bwd(graphed, x, dy, PRESETS[name]), "MEGATRON_FP8_GRAPHS", "1"))
+            add(f"our Linear, {name}, CUDA graphs, weight cast reused",
+                _with_env(_fwd_bwd(graphed, x, dy, PRESETS[name], False), "MEGATRON_FP8_GRAPHS", "1"))
     xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
     dye = torch.randn(t * e, n, device=DEVICE, dtype=dt, generator=g)
     even = [t] * e
