@@ -49,3 +49,19 @@ def test_bad_graphs_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_graphs_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGATRON_FP8_GRAPHS", raising=False)
     assert not graphed.graphs_on()
+
+
+def test_megatron_plugin_says_graphs_are_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plug-in's start-up summary names the setting (never silent), and only with FP8 on."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    from megatron_fp8.megatron import plugin
+
+    cfg = SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=0, fp8_amax_history_len=1,
+                          fp8_amax_compute_algo="max", fp8_wgrad=True, fp8_param=False)
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
+    assert "MEGATRON_FP8_GRAPHS=1: FP8 linears replay per-layer CUDA graphs" in plugin._summary(
+        torch.nn.Linear(2, 2), {}, cfg)
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "0")
+    assert "CUDA graphs" not in plugin._summary(torch.nn.Linear(2, 2), {}, cfg)

@@ -42,6 +42,8 @@ from torch import nn
 
 from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
+from ..ops.graphed import ENV as GRAPHS_ENV
+from ..ops.graphed import graphs_on
 from .compat import patch_megatron
 from .fp8 import recipe_from_megatron
 from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
@@ -242,6 +244,9 @@ def _summary(root: nn.Module, plan: dict[str, bool], config: Any) -> str:
         "megatron_fp8: save_original_input on: " + (", ".join(_compress(flagged)) or "none"),
         "megatron_fp8: output-discarding recompute: " + (", ".join(recompute) or "none"),
     ]
+    if recipe is not None and graphs_on():
+        lines.append(f"megatron_fp8: {GRAPHS_ENV}=1: FP8 linears replay per-layer CUDA graphs (captured at their "
+                     "first call; a layer that cannot be graphed warns and runs eagerly)")
     return "\n".join(lines)
 
 
