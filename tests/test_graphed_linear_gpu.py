@@ -115,3 +115,22 @@ def test_delayed_scaling_warns_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch)
         with mf.fp8_autocast(fp8_recipe=PRESETS["delayed"]):
             layer(x).sum().backward()
     assert "graphed linear" not in counts
+
+
+def test_a_copy_of_a_graphed_layer_makes_its_own_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``copy.deepcopy`` leaves the graphs behind (they hold the original's buffers); the copy
+    captures its own and computes what the original does."""
+    import copy
+
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
+    layer = mf.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda", name="copied")
+    x = torch.randn(256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    outs = []
+    for module in (layer, None):
+        module = module if module is not None else copy.deepcopy(layer)
+        with mf.fp8_autocast(fp8_recipe=PRESETS["current"]), paths.count_paths() as counts:
+            y = module(x * 1.0)
+        outs.append(y.detach().clone())
+        y.float().sum().backward()
+        assert counts == {"graphed linear": 1}, counts
+    assert torch.equal(outs[0], outs[1])

@@ -48,8 +48,10 @@ class LinearQuantizers:
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave out the lean path's plans (``ops.lean``): their routes hold
         these quantizers by reference (a copy's plan would update the original's delayed-scaling
-        state) and local functions (which do not pickle). A copy makes its own at its first call."""
-        return {k: v for k, v in self.__dict__.items() if k != "_plans"}
+        state) and local functions (which do not pickle); and the per-layer CUDA graphs
+        (``ops.graphed``), which capture the original's buffers. A copy makes its own at its
+        first call."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_graphs")}
 
 
 def mark_param_derived(qt: QuantizedTensor) -> QuantizedTensor:
