@@ -1,4 +1,6 @@
-"""Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``.
+"""Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``; experimental
+(its first GPU run, docs/benchmarks.md run AH, failed at every capture; the fixes since have not
+run on a GPU).
 
 An eager FP8 linear pays ~0.6-0.9 ms of host time per forward+backward (its casts, GEMMs and
 autograd Python), more than its GPU work below hidden ~4096: the GPU idles (docs/benchmarks.md).
@@ -18,11 +20,11 @@ backward   dy -> static (a copy); replay; dx / dw / db are aliases of the graph'
 =========  =====================================================================================
 
 Numbers: the captured calls are the layer's own (``ops.linear.linear``: the general path's
-capture routes), so outputs and gradients are those of the eager path bit for bit
-(tests/test_graphed_linear_gpu.py). Where it applies: CUDA, gradients on, no tensor-parallel
-communication (``comm``), stateless recipes (current scaling, 1x128 / 128x128 blocks); delayed
-scaling updates Python-side state per step and stays eager. One graph pair serves one
-micro-batch at a time: a second forward of the same layer and shape before the first one's
+capture routes), so outputs and gradients are meant to be those of the eager path bit for bit
+(tests/test_graphed_linear_gpu.py checks it; not yet passed on a GPU). Where it applies: CUDA,
+gradients on, no tensor-parallel communication (``comm``), stateless recipes (current scaling,
+1x128 / 128x128 blocks); delayed scaling updates Python-side state per step and stays eager.
+One graph pair serves one micro-batch at a time: a second forward of the same layer and shape before the first one's
 backward (pipeline schedules) runs eagerly, with a warning. Anything else that stops a layer
 from being graphed warns once, naming the layer and why, and the layer runs eagerly.
 
@@ -239,6 +241,45 @@ def _kept_flag(weight: torch.Tensor) -> Iterator[None]:
 
 _capturing: list[bool] = []  # a capture (or its warm-up) of ours is under way: its calls run eagerly
 
+# What a capture decides differently from an eager call, set for the warm-up so that it runs the
+# very kernels the capture records (each built and loaded before the capture: building or loading
+# one inside it invalidates the capture): the general path (a capture never takes the lean one),
+# and current scaling's amax, scale and CUDA cast (``MEGATRON_FP8_CUDA_CURRENT=capture``).
+_CAPTURE_SETTINGS = {"MEGATRON_FP8_LEAN": "0", "MEGATRON_FP8_CUDA_CURRENT": "1"}
+
+
+@contextlib.contextmanager
+def _as_captured() -> Iterator[None]:
+    """The settings a capture runs under (``_CAPTURE_SETTINGS``), for the warm-up's eager calls;
+    a setting the user pinned (``MEGATRON_FP8_CUDA_CURRENT=0``) is kept. Restored after."""
+    before = {k: os.environ.get(k) for k in _CAPTURE_SETTINGS}
+    for k, v in _CAPTURE_SETTINGS.items():
+        if k != "MEGATRON_FP8_CUDA_CURRENT" or before[k] in (None, "capture"):
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _recover_rng() -> bool:
+    """After a failed capture: a capture that fails leaves CUDA's default random-number generator
+    in its capture mode (PyTorch ends that mode only when a capture ends well), and every later
+    random op raises ("Offset increment outside graph capture"). A trivial capture that ends well
+    ends the mode. Whether it did."""
+    try:
+        probe = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(probe):
+            torch.empty(1, device="cuda").zero_()
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - reported by the caller
+        return False
+
 
 def _capture(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str, fused: bool) -> LinearGraph:
@@ -270,8 +311,8 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with _isolated(), _scratch_main_grad(weight), torch.cuda.stream(side):
-        for _ in range(2):  # Triton compiles, cuBLAS handles and workspaces, the routes' caches
+    with _isolated(), _scratch_main_grad(weight), _as_captured(), torch.cuda.stream(side):
+        for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
             step(None)
     torch.cuda.current_stream().wait_stream(side)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
@@ -304,7 +345,15 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
-        _warn_once(_owner(q), f"its capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        cause = exc.__context__ or exc  # capture_end's error hides the one raised inside the capture
+        said = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
+        if cause is not exc:
+            said += f"; then {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if not _recover_rng():
+            raise RuntimeError(f"megatron_fp8: {_owner(q)}: the CUDA-graph capture of its forward and backward "
+                               f"failed ({said}), and CUDA's random-number generator could not be taken out of "
+                               f"capture mode after it, so this process cannot go on; set {ENV}=0") from exc
+        _warn_once(_owner(q), f"its capture failed ({said})")
         return None
 
 
