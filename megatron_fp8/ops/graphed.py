@@ -249,7 +249,7 @@ _CAPTURE_SETTINGS = {"MEGATRON_FP8_LEAN": "0", "MEGATRON_FP8_CUDA_CURRENT": "1"}
 
 
 @contextlib.contextmanager
-def _as_captured() -> Iterator[None]:
+def as_captured() -> Iterator[None]:
     """The settings a capture runs under (``_CAPTURE_SETTINGS``), for the warm-up's eager calls;
     a setting the user pinned (``MEGATRON_FP8_CUDA_CURRENT=0``) is kept. Restored after."""
     before = {k: os.environ.get(k) for k in _CAPTURE_SETTINGS}
@@ -311,7 +311,7 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with _isolated(), _scratch_main_grad(weight), _as_captured(), torch.cuda.stream(side):
+    with _isolated(), _scratch_main_grad(weight), as_captured(), torch.cuda.stream(side):
         for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
             step(None)
     torch.cuda.current_stream().wait_stream(side)
