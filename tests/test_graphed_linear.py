@@ -65,3 +65,20 @@ def test_megatron_plugin_says_graphs_are_on(monkeypatch: pytest.MonkeyPatch) -> 
         torch.nn.Linear(2, 2), {}, cfg)
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "0")
     assert "CUDA graphs" not in plugin._summary(torch.nn.Linear(2, 2), {}, cfg)
+
+
+def test_warm_ups_run_under_the_capture_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``as_captured``: the general path and current scaling's CUDA cast while it is open (what a
+    capture launches), a user's ``MEGATRON_FP8_CUDA_CURRENT=0`` kept, everything restored after."""
+    import os
+
+    monkeypatch.delenv("MEGATRON_FP8_LEAN", raising=False)
+    monkeypatch.delenv("MEGATRON_FP8_CUDA_CURRENT", raising=False)
+    with graphed.as_captured():
+        assert os.environ["MEGATRON_FP8_LEAN"] == "0" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "1"
+    assert "MEGATRON_FP8_LEAN" not in os.environ and "MEGATRON_FP8_CUDA_CURRENT" not in os.environ
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "0")
+    with graphed.as_captured():
+        assert os.environ["MEGATRON_FP8_LEAN"] == "0" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "0"
+    assert os.environ["MEGATRON_FP8_LEAN"] == "1" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "0"
