@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -177,9 +178,12 @@ def bar_chart(path: str, groups: Sequence[str], series: dict[str, Sequence[float
 
     fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4))
     width = 0.8 / max(1, len(series))
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: no two paths share one up to 20
     for i, (label, vals) in enumerate(series.items()):
-        ax.bar([g + i * width for g in range(len(groups))], vals, width, label=label)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
+        ax.bar([g + i * width for g in range(len(groups))], vals, width, label=label, color=colors[i % len(colors)])
+    # long group names ("8x2048 K=4096 N=2048 router splits") wrapped so that neighbours do not overlap
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [textwrap.fill(g, 16) for g in groups],
+                  fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
