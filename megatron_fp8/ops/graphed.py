@@ -24,8 +24,8 @@ capture routes), so outputs and gradients are meant to be those of the eager pat
 (tests/test_graphed_linear_gpu.py checks it; not yet passed on a GPU). Where it applies: CUDA,
 gradients on, no tensor-parallel communication (``comm``), stateless recipes (current scaling,
 1x128 / 128x128 blocks); delayed scaling updates Python-side state per step and stays eager.
-One graph pair serves one micro-batch at a time: a second forward of the same layer and shape before the first one's
-backward (pipeline schedules) runs eagerly, with a warning. Anything else that stops a layer
+One graph pair serves one micro-batch at a time: a second forward of the same layer and shape
+before the first one's backward (pipeline schedules) runs eagerly, with a warning. Anything else that stops a layer
 from being graphed warns once, naming the layer and why, and the layer runs eagerly.
 
 Memory: the graph keeps its buffers (static input, output, grads, what its backward reads)
@@ -43,12 +43,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
 from .. import gemm as gemm_mod
 from ..quant.tensor import QuantizedTensor
-from . import paths
+from . import paths, routes
 
 ENV = "MEGATRON_FP8_GRAPHS"
 _MAX_SIGNATURES = 4  # graph pairs per layer (one per input shape); beyond, the layer runs eagerly
@@ -108,7 +109,6 @@ class LinearGraph:
         self.w_src: Callable[[], Any] = lambda: None  # weakref of the FP8 weight last copied in
         self.y_s: torch.Tensor | None = None
         self.dy_s: torch.Tensor | None = None
-        self.grads: tuple[torch.Tensor | None, ...] = ()
         self.wants: tuple[bool, bool, bool] = (False, False, False)  # grads of x, weight, bias
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd = torch.cuda.CUDAGraph()
@@ -124,10 +124,7 @@ class LinearGraph:
         if self.w_src() is w_fp8:
             return
         torch._foreach_copy_(self.w_s.tensors(), w_fp8.tensors())
-        try:
-            self.w_src = weakref.ref(w_fp8)
-        except TypeError:
-            self.w_src = lambda: None
+        self.w_src = weakref.ref(w_fp8)
 
 
 class _Lease:
@@ -206,16 +203,14 @@ def _scratch_main_grad(weight: torch.Tensor) -> Iterator[None]:
     """Warm-up calls add their wgrad into a scratch ``main_grad``, not the real one (Megatron's
     gradient-accumulation fusion), and leave ``grad_added_to_main_grad`` as it was."""
     real = getattr(weight, "main_grad", None)
-    flag = getattr(weight, "grad_added_to_main_grad", None)
     if real is not None:
         weight.main_grad = torch.zeros_like(real)  # type: ignore[attr-defined]
     try:
-        yield
+        with _kept_flag(weight):
+            yield
     finally:
         if real is not None:
             weight.main_grad = real  # type: ignore[attr-defined]
-        if flag is not None:
-            weight.grad_added_to_main_grad = flag  # type: ignore[attr-defined]
 
 
 def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
@@ -252,18 +247,10 @@ _CAPTURE_SETTINGS = {"MEGATRON_FP8_LEAN": "0", "MEGATRON_FP8_CUDA_CURRENT": "1"}
 def as_captured() -> Iterator[None]:
     """The settings a capture runs under (``_CAPTURE_SETTINGS``), for the warm-up's eager calls;
     a setting the user pinned (``MEGATRON_FP8_CUDA_CURRENT=0``) is kept. Restored after."""
-    before = {k: os.environ.get(k) for k in _CAPTURE_SETTINGS}
-    for k, v in _CAPTURE_SETTINGS.items():
-        if k != "MEGATRON_FP8_CUDA_CURRENT" or before[k] in (None, "capture"):
-            os.environ[k] = v
-    try:
+    pinned = os.environ.get("MEGATRON_FP8_CUDA_CURRENT") not in (None, "capture")
+    with mock.patch.dict(os.environ, {k: v for k, v in _CAPTURE_SETTINGS.items()
+                                      if not (pinned and k == "MEGATRON_FP8_CUDA_CURRENT")}):
         yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _recover_rng() -> bool:
@@ -303,17 +290,13 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
     inputs = [t for t, w in zip((x_s, weight, bias), g.wants, strict=True) if w]
     assert all(t is not None for t in inputs)
 
-    def step(dy: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
-        y = run(x_s, g.w_s)  # type: ignore[arg-type]
-        grads = torch.autograd.grad(y, inputs, y if dy is None else dy, retain_graph=dy is not None,
-                                    allow_unused=True)
-        return y, grads
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with _isolated(), _scratch_main_grad(weight), as_captured(), torch.cuda.stream(side):
         for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
-            step(None)
+            y = run(x_s, g.w_s)
+            torch.autograd.grad(y, inputs, y, allow_unused=True)
+        del y  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
     with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, capture_error_mode="thread_local"):
@@ -322,10 +305,10 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
     with _isolated() as bwd_gemms, _kept_flag(weight), \
             torch.cuda.graph(g.bwd, pool=pool, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs, g.dy_s, retain_graph=True, allow_unused=True))
-        g.grads = tuple(next(got) if w else None for w in g.wants)
+        grads = [next(got) if w else None for w in g.wants]
     # backward hands autograd these same objects every time: held here too, autograd never takes
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
-    g.grad_out = tuple(t.detach() if t is not None else None for t in g.grads)
+    g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
     return g
 
@@ -358,12 +341,12 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
 
 
 def graph_for(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, fused: bool, key: tuple[Any, ...],
+              bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, soi: bool, fused: bool,
               comm: Any) -> LinearGraph | None:
     """The layer's graph for this call (captured at its first call), or None where the call runs
     eagerly (graphs off, a capture under way, a reason ``_not_graphable`` names, the graph held by
     a micro-batch whose backward is still to come). ``run(x, w_fp8)``: the layer's eager call,
-    which the graph captures; ``key``: what else decides the call (flags, settings)."""
+    which the graph captures; ``soi``, ``fused``: the call's ``save_original_input`` and wgrad fusion."""
     if _capturing or not torch.is_grad_enabled() or not graphs_on():
         return None
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -376,7 +359,7 @@ def graph_for(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: t
     key = (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, weight.data_ptr(), weight.requires_grad,
            None if bias is None else (bias.data_ptr(), bias.requires_grad),
            None if main_grad is None else main_grad.data_ptr(), fused, getattr(q.input, "group", None),
-           getattr(q.grad_output, "group", None), comm, *key)
+           getattr(q.grad_output, "group", None), comm, soi, routes.settings())
     g = graphs.get(key, False)
     if g is False:  # the first call of this signature: graphable, and captured, or run eagerly from now on
         g = graphs[key] = _new_graph(run, x, weight, bias, w_fp8, q, fused, comm,

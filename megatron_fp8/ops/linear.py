@@ -32,7 +32,7 @@ from ..gemm import gemm
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
-from . import paths, routes
+from . import paths
 from .graphed import GraphedLinear, graph_for
 from .lean import lean_cast, lean_linear, plan_for
 
@@ -362,8 +362,8 @@ def linear(
         def run(x_s: torch.Tensor, w_s: QuantizedTensor) -> torch.Tensor:  # what the graph captures
             return linear(x_s, weight, bias, w_fp8=w_s, quantizers=quantizers, save_original_input=save_original_input,
                           fuse_wgrad_accumulation=fuse_wgrad_accumulation, comm=comm)
-        graph = graph_for(run, x, weight, bias, w_fp8, quantizers, fuse_wgrad_accumulation,
-                          (save_original_input, routes.settings()), comm)
+        graph = graph_for(run, x, weight, bias, w_fp8, quantizers, save_original_input, fuse_wgrad_accumulation,
+                          comm)
         if graph is not None:
             return GraphedLinear.apply(x, weight, bias, w_fp8, graph)
         plan = plan_for(x, weight, bias, w_fp8, quantizers, save_original_input, wgrad, fuse_wgrad_accumulation,
