@@ -2,7 +2,7 @@
 duration and the idle gap before it, from a ``torch.profiler`` trace. Answers "the kernels add
 0.1 ms but the step grows 0.5 ms: where does the GPU wait?".
 
-    python scripts/trace_step.py [--cases linear-k14336 linear-k2048 grouped grouped-graphed] [--out DIR]
+    python scripts/trace_step.py [--cases CASE...] [--out DIR]   (cases: see --help)
 
 ``grouped-graphed`` profiles one replay of the step captured in a CUDA graph (as
 ``bench_grouped.py``'s graphed rows run it): the gaps there are the device's own, not the host's.
@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_fp8 import Linear
 from megatron_fp8.modules.grouped import GroupedLinear
 from megatron_fp8.recipe import PRESETS
-from megatron_fp8.testing import capture_step
+from megatron_fp8.testing import capture_step, router_splits
 
 
 def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[], None]:
@@ -46,8 +46,9 @@ def _linear_step(m: int, n: int, k: int, recipe: str, flag: bool) -> Callable[[]
     return train_step(lin, x, dy, PRESETS[recipe])
 
 
-def _grouped_step(recipe: str, k: int = 4096, n: int = 2048) -> Callable[[], None]:
-    splits = [2048] * 8
+def _grouped_step(recipe: str, k: int = 4096, n: int = 2048, router: bool = False) -> Callable[[], None]:
+    """8 experts x 2048 rows, even or (``router``) split as a top-2 router hands them out."""
+    splits = router_splits(8 * 2048, 8, 2) if router else [2048] * 8
     x = torch.randn(sum(splits), k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(sum(splits), n, device="cuda", dtype=torch.bfloat16) * 1e-3
     layer = GroupedLinear(8, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
@@ -106,6 +107,11 @@ CASES = {
         "grouped_current_graphed_torch": _graphed(_grouped_step("current"), "torch"),
         "grouped_blockwise_graphed": _graphed(_grouped_step("blockwise"), "auto"),
         "grouped_k2048_n7168_current_graphed": _graphed(_grouped_step("current", 2048, 7168), "auto"),
+    },
+    # router splits (bench_grouped.py's uneven rows), graphed under each grouped-GEMM setting
+    "grouped-router-graphed": lambda: {
+        f"router_{r}_graphed_{g}": _graphed(_grouped_step(r, router=True), g)
+        for r in ("current", "blockwise") for g in ("auto", "loop", "triton")
     },
 }
 
