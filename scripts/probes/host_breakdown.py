@@ -10,16 +10,19 @@ The ``grouped-*`` cases do the same for the host-cost table's grouped rows (8 ex
 tokens, K=N=2048): ``grouped-bf16`` is ``torch._grouped_mm`` on one ``[8, N, K]`` weight,
 ``grouped-off`` our ``GroupedLinear`` with FP8 off (the table's 1605 against 246 us in run AD,
 with the same ``_grouped_mm`` calls: the profile says where the rest goes), ``grouped-current``
-and ``grouped-blockwise`` with FP8. Grads are not reset between steps, as in the table.
+and ``grouped-blockwise`` with FP8, ``grouped-router-current`` with a new top-2 router split each
+step (``profile_host.py``'s router rows: 2390 against 1526 us for even splits in run AF).
+Grads are not reset between steps, as in the table.
 
     python scripts/probes/host_breakdown.py [bf16 current blockwise delayed grouped-bf16 grouped-off
-        grouped-current grouped-blockwise] [--tool torch|cprofile]
+        grouped-current grouped-blockwise grouped-router-current] [--tool torch|cprofile]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 from collections.abc import Callable
 
@@ -28,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megatron_fp8 as mf
 from megatron_fp8.recipe import PRESETS
+from megatron_fp8.testing import router_splits
 
 
 def make_grouped_step(name: str, device: str) -> Callable[[], None]:
@@ -37,8 +41,11 @@ def make_grouped_step(name: str, device: str) -> Callable[[], None]:
     e, t, k, n, dt = 8, 256, 2048, 2048, torch.bfloat16
     x = torch.randn(e * t, k, dtype=dt, device=device, requires_grad=True)
     dy = torch.randn(e * t, n, dtype=dt, device=device)
-    splits = [t] * e
     kind = name.removeprefix("grouped-")
+    routed = kind.startswith("router-")  # grouped-router-<recipe>: a new router split each step
+    kind = kind.removeprefix("router-")
+    turn = itertools.cycle([router_splits(e * t, e, 2, seed=s) for s in range(16)] if routed else [[t] * e])
+    splits = [t] * e
     if kind == "bf16":
         w = torch.randn(e, n, k, dtype=dt, device=device, requires_grad=True)
         offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
@@ -51,10 +58,10 @@ def make_grouped_step(name: str, device: str) -> Callable[[], None]:
 
     def step() -> None:
         if recipe is None:
-            y = layer(x, splits)
+            y = layer(x, next(turn))
         else:
             with mf.fp8_autocast(fp8_recipe=recipe):
-                y = layer(x, splits)
+                y = layer(x, next(turn))
         y.backward(dy)
     return step
 
