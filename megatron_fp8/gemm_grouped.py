@@ -29,7 +29,7 @@ from .gemm import Backend, forced_backend, gemm, record
 from .quant.formats import ScaleLayout
 from .quant.tensor import Operand, Operands, Pack
 
-__all__ = ["grouped_gemm", "grouped_gemm_cat", "grouped_wgrad", "back_to_back", "one_launch_rows", "split_rows"]
+__all__ = ["grouped_gemm", "grouped_gemm_cat", "grouped_wgrad", "back_to_back", "split_rows"]
 
 L = ScaleLayout
 
@@ -170,7 +170,7 @@ def _grouped_backend(device: torch.device) -> str:
     K=2048/N=7168; blocks 1.24 vs 1.49 and 2.03 vs 2.62 ms). Per-expert cuBLAS is also bitwise a
     list of separate ``Linear``s; a graphed step's numbers therefore equal an eager step's under
     ``loop``, not under ``auto`` (set ``triton`` or ``loop`` to pin one path in both; the experts'
-    padding follows the same rule, ``one_launch_rows``)."""
+    padding is 128 rows on CUDA either way, ``ops.grouped_linear.layout_rows``)."""
     v = os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower()
     if v not in ("auto", "torch", "triton", "loop"):
         raise ValueError(f"MEGATRON_FP8_GROUPED_GEMM={v!r}; allowed: 'auto', 'torch', 'triton', 'loop'")
@@ -179,17 +179,6 @@ def _grouped_backend(device: torch.device) -> str:
             return "loop"
         _cublas_ready(device)
     return v
-
-
-def one_launch_rows(device: torch.device) -> bool:
-    """Whether grouped GEMMs on ``device`` take the one-launch Triton kernels where every split is
-    a multiple of 128 (CUDA, ``MEGATRON_FP8_GROUPED_GEMM`` triton, or auto outside a CUDA graph
-    capture, where auto runs cuBLAS per expert): the experts' padding then aims at 128 rows for
-    per-tensor scales too. A captured step therefore pads as an eager ``loop`` step does."""
-    v = os.environ.get("MEGATRON_FP8_GROUPED_GEMM", "auto").lower()
-    if device.type != "cuda" or v not in ("auto", "triton"):
-        return False
-    return v == "triton" or not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 _cublas_threads: set[tuple[int, torch.device]] = set()

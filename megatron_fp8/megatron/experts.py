@@ -5,7 +5,7 @@ megatron-core's ``TEGroupedMLP`` asserts TE when ``config.fp8`` is set, because 
 expert's tokens to the FP8 GEMM alignment with TE's ``Fp8Padding``. ``GroupedMLP`` builds it with
 the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding``, which pad each
 expert's rows to what the active recipe's GEMMs need (128 tokens for 1x128 block scaling, 32 for
-MXFP8; per-tensor scaling 128 where the one-launch grouped GEMMs run, else 16: ``layout_rows``)
+MXFP8; per-tensor scaling 128 on CUDA, else 16: ``layout_rows``)
 with zero rows that never leave the experts. The padding is Megatron's own contract (its forward
 calls the two objects); the zero rows add nothing to any output or gradient. The padding saves
 only its row index for backward (``ops.padding.pad_rows``; TE's saves only the splits). As Megatron does

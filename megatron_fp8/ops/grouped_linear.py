@@ -64,7 +64,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, one_launch_rows, packed, split_rows, stacked
+from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, packed, split_rows, stacked
 from ..quant.formats import ScaleLayout
 from ..quant.kernels import aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
@@ -412,15 +412,18 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
 
 def layout_rows(layout: ScaleLayout, device: torch.device | None = None) -> int:
     """Rows per expert that GEMMs on activations cast with ``layout`` need to run natively: 128
-    for 1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``
-    where ``MEGATRON_FP8_GROUPED_GEMM`` (auto, triton) lets the one-launch Triton grouped GEMMs
-    take the experts: they need whole 128-row tiles, and an eager MoE step is launch-bound (one
-    launch per GEMM instead of one per expert; the extra zero rows are at most 127 per expert)."""
+    for 1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``,
+    whichever grouped GEMM runs. Why 128 there: the one-launch Triton grouped GEMMs (eager
+    ``auto``) take whole 128-row tiles, and the segmented casts of every backend take their fast
+    aligned kernels only for 128-row segments. Graphed router splits padded to 16 instead (cuBLAS
+    per expert): the unaligned segmented cast of x took 1164 us where the aligned one takes ~90
+    (H100, 2026-12-06, 8 experts, ~16k rows, K=4096; docs/benchmarks.md run AI). The extra zero rows
+    are at most 127 per expert."""
     if layout is ScaleLayout.BLOCK_1x128:
         return 128
     if layout is ScaleLayout.MX_1x32:
         return 32
-    return 128 if device is not None and one_launch_rows(device) else 16
+    return 128 if device is not None and device.type == "cuda" else 16
 
 
 def native_rows(quantizers: Sequence[LinearQuantizers] | None, device: torch.device) -> int:
