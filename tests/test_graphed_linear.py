@@ -82,3 +82,41 @@ def test_warm_ups_run_under_the_capture_settings(monkeypatch: pytest.MonkeyPatch
     with graphed.as_captured():
         assert os.environ["MEGATRON_FP8_LEAN"] == "0" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "0"
     assert os.environ["MEGATRON_FP8_LEAN"] == "1" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "0"
+
+
+def _failing_capture(fails: int) -> object:
+    """A stand-in for ``graphed._capture`` whose first ``fails`` calls fail as a CUDA capture does
+    (an error inside the capture, then capture_end's, with the first as its context)."""
+    calls = []
+
+    def capture(*_args: object) -> str:
+        calls.append(1)
+        if len(calls) <= fails:
+            try:
+                raise RuntimeError("operation would make the legacy stream depend on a capturing blocking stream")
+            except RuntimeError:
+                raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904
+        return "graph"
+    return capture
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_failed_capture_is_tried_once_more_and_named(monkeypatch: pytest.MonkeyPatch, fails: int) -> None:
+    """A capture that fails is tried once more (a process's first capture failed once on the
+    H100 while later ones held); the warning names the inner error and where it was raised, once
+    a second attempt succeeds too."""
+    graphed._warned.clear()
+    graphed._retried.clear()
+    monkeypatch.setattr(graphed, "_capture", _failing_capture(fails))
+    monkeypatch.setattr(graphed, "_not_graphable", lambda *_a: None)
+    monkeypatch.setattr(graphed, "_recover_rng", lambda: True)
+    layer = mf.Linear(16, 16, name="cap")
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        q = layer.fp8_quantizers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = graphed._new_graph(None, torch.zeros(1), layer.weight, None, None, q, False, None, 0)  # type: ignore[arg-type]
+    said = [str(w.message) for w in caught]
+    assert got == ("graph" if fails == 1 else None)
+    assert len(said) == 1 and "legacy stream" in said[0] and "test_graphed_linear.py:" in said[0], said
+    assert ("a second succeeded" in said[0]) == (fails == 1) and ("failed twice" in said[0]) == (fails == 2)

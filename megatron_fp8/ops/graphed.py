@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -323,21 +324,55 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
     if why is not None:
         _warn_once(_owner(q), why)
         return None
-    try:
-        return _capture(run, x, weight, bias, w_fp8, _owner(q), fused)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
-        cause = exc.__context__ or exc  # capture_end's error hides the one raised inside the capture
-        said = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
-        if cause is not exc:
-            said += f"; then {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        if not _recover_rng():
-            raise RuntimeError(f"megatron_fp8: {_owner(q)}: the CUDA-graph capture of its forward and backward "
-                               f"failed ({said}), and CUDA's random-number generator could not be taken out of "
-                               f"capture mode after it, so this process cannot go on; set {ENV}=0") from exc
-        _warn_once(_owner(q), f"its capture failed ({said})")
-        return None
+    first = None
+    for attempt in range(2):
+        try:
+            g = _capture(run, x, weight, bias, w_fp8, _owner(q), fused)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
+            said = _failure(exc)
+            if not _recover_rng():
+                raise RuntimeError(f"megatron_fp8: {_owner(q)}: the CUDA-graph capture of its forward and backward "
+                                   f"failed ({said}), and CUDA's random-number generator could not be taken out of "
+                                   f"capture mode after it, so this process cannot go on; set {ENV}=0") from exc
+            if attempt == 0:  # once more: a process's first capture failed once on the H100 (run AI)
+                first = said  # where the second succeeded; the first's error is reported below
+                continue
+            _warn_once(_owner(q), f"its capture failed twice ({first}; then {said})")
+            return None
+        if first is not None and not _retried:
+            _retried.append(_owner(q))
+            warnings.warn(f"megatron_fp8: {_owner(q)}: its first CUDA-graph capture failed ({first}); a second "
+                          "succeeded (said once per process)", RuntimeWarning, stacklevel=5)
+        return g
+    return None
+
+
+_retried: list[str] = []  # the layer whose capture succeeded only at the second attempt (said once)
+
+
+def _failure(exc: BaseException) -> str:
+    """What a failed capture raised: the error inside the capture (which capture_end's error hides)
+    and where, then capture_end's."""
+    cause = exc.__context__ or exc
+    said = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}{_where(cause)}"
+    if cause is not exc:
+        said += f"; then {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return said
+
+
+def _where(exc: BaseException) -> str:
+    """`` at <file>:<line> (<function>)`` of the frame that raised ``exc``, and of the last of
+    ours on the way where that is another's (a CUDA error inside a capture names no call)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    said = [f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})"]
+    ours = [f for f in frames if f"{os.sep}megatron_fp8{os.sep}" in f.filename]
+    if ours and ours[-1] is not frames[-1]:
+        said.append(f"from {os.path.basename(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})")
+    return " at " + " ".join(said)
 
 
 def graph_for(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
