@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..quant.kernels import device_ints
+from ..quant.kernels import device_ints, pad_expert_rows
 
 __all__ = ["Padded", "expert_rows", "pad_rows"]
 
@@ -40,8 +40,9 @@ class Padded(NamedTuple):
     total: int
 
     def pad(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s rows at their padded rows, zeros between (no autograd: inside a function)."""
-        return t.new_zeros((self.total, *t.shape[1:])).index_copy_(0, self.rows, t)
+        """``t``'s rows at their padded rows, zeros between (no autograd: inside a function; one
+        pass on the GPU, ``kernels.pad_expert_rows``)."""
+        return pad_expert_rows(t, self.rows, self.total)
 
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         return t.index_select(0, self.rows)

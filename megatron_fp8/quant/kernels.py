@@ -61,6 +61,25 @@ def _scales() -> Any | None:
     return triton_scale
 
 
+@functools.cache
+def _pad() -> Any | None:
+    """``triton_pad`` (expert padding in one pass), importable wherever ``_triton()`` is."""
+    if _triton() is None:
+        return None
+    from ..kernels import triton_pad
+
+    return triton_pad
+
+
+def pad_expert_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """``x``'s row ``i`` at row ``rows[i]`` of ``total`` rows, zeros between (``ops.padding``):
+    one Triton pass where the kernels serve ``x`` (``triton_pad``), else torch's zeros and
+    ``index_copy_``; the same bits either way."""
+    if _triton_here(x) and _pad().serves(x, rows):
+        return _pad().pad_rows(x, rows, total)
+    return x.new_zeros((total, *x.shape[1:])).index_copy_(0, rows, x)
+
+
 # ---- reference compositions (the CPU path and what `compile` compiles) ----------------------
 def _tensorwise_ref(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
                     columnwise: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
