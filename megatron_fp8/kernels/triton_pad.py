@@ -3,8 +3,8 @@ for every real row ``i``, zeros in every other row of ``out``.
 
 The torch way, ``x.new_zeros(total, K).index_copy_(0, rows, x)``, writes ``out`` twice and
 ``index_copy_``'s kernel computes an index per element: on the H100 it took 42 + 212 us for a
-router step's ``[~16.4k, 4096]`` BF16 input (docs/benchmarks.md run AI), where one pass at the
-memory's rate takes ~90. Here each program copies a block of real rows and zeroes the padding
+router step's ``[~16.4k, 4096]`` BF16 input, and this kernel 99 us (docs/benchmarks.md run AI).
+Here each program copies a block of real rows and zeroes the padding
 that follows each of them: the rows between ``rows[i] + 1`` and the next real row's (or
 ``total``). Padding always follows an expert's real rows (``ops.padding.expert_rows``: an
 expert's padded rows start at its first real row, and an expert without rows has none), so every
