@@ -69,7 +69,8 @@ def capture_step(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUD
     """Capture a whole training step (forward, backward) in one CUDA graph, as in PyTorch's
     whole-network capture recipe: ``warmup`` eager calls on a side stream under the capture's
     settings (``ops.graphed.as_captured``: Triton compiles, the CUDA casts build, caches fill;
-    since 2026-12-05, not yet run on a GPU), then one captured call. Returns the graph and the
+    tests/test_cuda_graph_gpu.py passed with it on the H100, docs/benchmarks.md run AI), then one
+    captured call. Returns the graph and the
     captured call's result (its tensors, like the inputs' ``.grad``, are the graph's static
     outputs: each ``replay()`` rewrites them). Inputs must be static tensors the caller refills
     with ``copy_``, and the caller keeps ``step``'s tensors (its module's parameters, its inputs) alive as long as it
