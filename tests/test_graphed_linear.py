@@ -84,7 +84,7 @@ def test_warm_ups_run_under_the_capture_settings(monkeypatch: pytest.MonkeyPatch
     assert os.environ["MEGATRON_FP8_LEAN"] == "1" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "0"
 
 
-def _failing_capture(fails: int) -> object:
+def _failing_capture(fails: int, inner: type[BaseException] = RuntimeError) -> object:
     """A stand-in for ``graphed._capture`` whose first ``fails`` calls fail as a CUDA capture does
     (an error inside the capture, then capture_end's, with the first as its context)."""
     calls = []
@@ -93,8 +93,8 @@ def _failing_capture(fails: int) -> object:
         calls.append(1)
         if len(calls) <= fails:
             try:
-                raise RuntimeError("operation would make the legacy stream depend on a capturing blocking stream")
-            except RuntimeError:
+                raise inner("operation would make the legacy stream depend on a capturing blocking stream")
+            except inner:
                 raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904
         return "graph"
     return capture
@@ -120,3 +120,17 @@ def test_a_failed_capture_is_tried_once_more_and_named(monkeypatch: pytest.Monke
     assert got == ("graph" if fails == 1 else None)
     assert len(said) == 1 and "legacy stream" in said[0] and "test_graphed_linear.py:" in said[0], said
     assert ("a second succeeded" in said[0]) == (fails == 1) and ("failed twice" in said[0]) == (fails == 2)
+
+
+def test_out_of_memory_inside_a_capture_is_raised_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation that fails inside the capture reaches the caller as the out-of-memory error it
+    is (capture_end's error carries it as its context), with no retry and no eager fallback."""
+    graphed._warned.clear()
+    monkeypatch.setattr(graphed, "_capture", _failing_capture(2, torch.OutOfMemoryError))
+    monkeypatch.setattr(graphed, "_not_graphable", lambda *_a: None)
+    monkeypatch.setattr(graphed, "_recover_rng", lambda: True)
+    layer = mf.Linear(16, 16, name="oom")
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        q = layer.fp8_quantizers()
+    with pytest.raises(torch.OutOfMemoryError):
+        graphed._new_graph(None, torch.zeros(1), layer.weight, None, None, q, False, None, 0)  # type: ignore[arg-type]

@@ -552,14 +552,14 @@ def test_delayed_stacked_advance_equals_one_by_one(algo: str, device: str) -> No
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_padding_experts_to_the_native_alignment(name: str) -> None:
-    """On CUDA each expert's rows are padded to the recipe's native alignment (16 tokens for
-    per-tensor scales, 128 blocks, 32 MXFP8) so that every expert GEMM runs natively for any
-    split (here on CPU, ``pad_to`` forced). The zero rows change no output row and add zeros to
-    every gradient sum: out, dx, dw and db equal the unpadded layer's within the GEMMs'
-    accumulation order (a padded expert is a longer GEMM), over two steps (delayed: the history
-    too), and the flag on == off bitwise on the padded path. BF16 inputs, as the layers get them
-    (an FP32 input with a columnwise copy takes the reference cast, which under Triton's
-    interpreter rounds differently from its kernels: not the GPU's behaviour)."""
+    """On CUDA each expert's rows are padded to the recipe's native alignment (128 tokens for
+    per-tensor scales and 1x128 blocks, 32 MXFP8; 16 for per-tensor scales off CUDA) so that every
+    expert GEMM runs natively for any split (here on CPU, ``pad_to`` forced). The zero rows change
+    no output row and add zeros to every gradient sum: out, dx, dw and db equal the unpadded layer's
+    within the GEMMs' accumulation order (a padded expert is a longer GEMM), over two steps
+    (delayed: the history too), and the flag on == off bitwise on the padded path. BF16 inputs, as
+    the layers get them (an FP32 input with a columnwise copy takes the reference cast, which under
+    Triton's interpreter rounds differently from its kernels: not the GPU's behaviour)."""
     from megatron_fp8.ops.grouped_linear import grouped_linear
 
     splits = [5, 0, 130, 17, 1]

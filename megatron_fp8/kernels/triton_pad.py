@@ -45,15 +45,19 @@ _pad = Launcher(_pad_rows_kernel)
 
 
 def serves(x: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether ``pad_rows`` takes ``x``: a contiguous 2-D tensor with rows and columns, and an
-    int64 index on its device (the caller checks that the kernels run on that device)."""
+    """Whether ``pad_rows`` takes ``x``: a contiguous 2-D tensor with rows and columns, and a 1-D
+    int64 index of one entry per row on its device (the caller checks that the kernels run on
+    that device)."""
     return (x.dim() == 2 and x.is_contiguous() and x.shape[0] > 0 and x.shape[1] > 0
-            and rows.dtype == torch.int64 and rows.is_contiguous() and rows.device == x.device)
+            and rows.dtype == torch.int64 and rows.dim() == 1 and rows.numel() == x.shape[0]
+            and rows.is_contiguous() and rows.device == x.device)
 
 
 def pad_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
-    """``x [M, K]``'s row ``i`` at row ``rows[i]`` of a new ``[total, K]`` tensor, zeros elsewhere
-    (``rows``: increasing, from ``ops.padding.expert_rows``; ``serves`` checked by the caller)."""
+    """``x [M, K]``'s row ``i`` at row ``rows[i]`` of a new ``[total, K]`` tensor, zeros elsewhere.
+    ``rows`` must start at 0, increase strictly and stay below ``total`` (``ops.padding.expert_rows``'s
+    index does; not checked here: that would need the index on the host); ``serves`` checked by
+    the caller."""
     m, k = x.shape
     out = torch.empty((total, k), dtype=x.dtype, device=x.device)
     _pad((cdiv(m, _BLOCK_R), cdiv(k, _BLOCK_K)), x, rows, out, m, k, total, BR=_BLOCK_R, BK=_BLOCK_K)

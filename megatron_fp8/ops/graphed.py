@@ -326,12 +326,21 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
         return None
     first = None
     for attempt in range(2):
+        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
         try:
             g = _capture(run, x, weight, bias, w_fp8, _owner(q), fused)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
+            # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+            inner = exc.__context__
+            if isinstance(inner, torch.OutOfMemoryError) or (inner is not None and not isinstance(inner, Exception)):
+                raise inner from exc  # out of memory, or an interrupt, inside the capture: not the capture's fault
             said = _failure(exc)
+            if first is not None:
+                said = f"{first}; then {said}"
             if not _recover_rng():
                 raise RuntimeError(f"megatron_fp8: {_owner(q)}: the CUDA-graph capture of its forward and backward "
                                    f"failed ({said}), and CUDA's random-number generator could not be taken out of "
@@ -339,12 +348,12 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
             if attempt == 0:  # once more: a process's first capture failed once on the H100 (run AI)
                 first = said  # where the second succeeded; the first's error is reported below
                 continue
-            _warn_once(_owner(q), f"its capture failed twice ({first}; then {said})")
+            _warn_once(_owner(q), f"its capture failed twice ({said})")
             return None
         if first is not None and not _retried:
             _retried.append(_owner(q))
             warnings.warn(f"megatron_fp8: {_owner(q)}: its first CUDA-graph capture failed ({first}); a second "
-                          "succeeded (said once per process)", RuntimeWarning, stacklevel=5)
+                          "succeeded (said once per process)", RuntimeWarning, stacklevel=4)
         return g
     return None
 

@@ -415,9 +415,9 @@ def layout_rows(layout: ScaleLayout, device: torch.device | None = None) -> int:
     for 1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``,
     whichever grouped GEMM runs. Why 128 there: the one-launch Triton grouped GEMMs (eager
     ``auto``) take whole 128-row tiles, and the segmented casts of every backend take their fast
-    aligned kernels only for 128-row segments. Graphed router splits padded to 16 instead (cuBLAS
-    per expert): the unaligned segmented cast of x took 1164 us where the aligned one takes ~90
-    (H100, 2026-12-06, 8 experts, ~16k rows, K=4096; docs/benchmarks.md run AI). The extra zero rows
+    aligned kernels only for 128-row segments. Until 2026-12-06 a graphed step (cuBLAS per
+    expert) padded router splits to 16, and its unaligned segmented cast of x took 1164 us where
+    the aligned one takes ~90 (H100, 8 experts, ~16k rows, K=4096; docs/benchmarks.md run AI). The extra zero rows
     are at most 127 per expert."""
     if layout is ScaleLayout.BLOCK_1x128:
         return 128

@@ -48,10 +48,12 @@ def make_grouped_step(name: str, device: str) -> Callable[[], None]:
     splits = [t] * e
     if kind == "bf16":
         w = torch.randn(e, n, k, dtype=dt, device=device, requires_grad=True)
-        offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+        offsets = [torch.tensor(sp, device=device).cumsum(0).to(torch.int32) for sp in
+                   ([router_splits(e * t, e, 2, seed=s) for s in range(16)] if routed else [splits])]
+        offs_turn = itertools.cycle(offsets)  # made before the steps, as _grouped_mm's caller would hold them
 
         def ref() -> None:
-            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy)
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=next(offs_turn)).backward(dy)
         return ref
     layer = GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=device)
     recipe = None if kind == "off" else PRESETS[kind]
