@@ -324,36 +324,44 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
     if why is not None:
         _warn_once(_owner(q), why)
         return None
+    caller = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    try:
+        return _capture_tried_twice(run, x, weight, bias, w_fp8, q, fused)
+    finally:  # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
+        if caller is not None and torch.cuda.current_stream(x.device) != caller:
+            torch.cuda.set_stream(caller)
+
+
+def _capture_tried_twice(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
+                         fused: bool) -> LinearGraph | None:
+    """``_capture``, tried once more where it fails (a process's first capture failed once on the
+    H100 and the second held, run AI; the second ran on the stream the failed capture left
+    current, as it does here: ``_new_graph`` restores the caller's afterwards)."""
     first = None
     for attempt in range(2):
-        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
         try:
             g = _capture(run, x, weight, bias, w_fp8, _owner(q), fused)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
-            # torch.cuda.graph's exit leaves its capture stream current when capture_end raises
-            if stream is not None:
-                torch.cuda.set_stream(stream)
             inner = exc.__context__
             if isinstance(inner, torch.OutOfMemoryError) or (inner is not None and not isinstance(inner, Exception)):
                 raise inner from exc  # out of memory, or an interrupt, inside the capture: not the capture's fault
-            said = _failure(exc)
-            if first is not None:
-                said = f"{first}; then {said}"
+            said = _failure(exc) if first is None else f"{first}; then {_failure(exc)}"
             if not _recover_rng():
                 raise RuntimeError(f"megatron_fp8: {_owner(q)}: the CUDA-graph capture of its forward and backward "
                                    f"failed ({said}), and CUDA's random-number generator could not be taken out of "
                                    f"capture mode after it, so this process cannot go on; set {ENV}=0") from exc
-            if attempt == 0:  # once more: a process's first capture failed once on the H100 (run AI)
-                first = said  # where the second succeeded; the first's error is reported below
+            if attempt == 0:
+                first = said  # reported below, where the second attempt succeeds
                 continue
             _warn_once(_owner(q), f"its capture failed twice ({said})")
             return None
         if first is not None and not _retried:
             _retried.append(_owner(q))
             warnings.warn(f"megatron_fp8: {_owner(q)}: its first CUDA-graph capture failed ({first}); a second "
-                          "succeeded (said once per process)", RuntimeWarning, stacklevel=4)
+                          "succeeded (said once per process)", RuntimeWarning, stacklevel=5)
         return g
     return None
 
