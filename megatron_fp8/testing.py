@@ -70,13 +70,12 @@ def capture_step(step: Callable[[], T], warmup: int = 3) -> tuple[torch.cuda.CUD
     whole-network capture recipe: ``warmup`` eager calls on a side stream under the capture's
     settings (``ops.graphed.as_captured``: Triton compiles, the CUDA casts build, caches fill;
     tests/test_cuda_graph_gpu.py passed with it on the H100, docs/benchmarks.md run AI), then one
-    captured call. Returns the graph and the
-    captured call's result (its tensors, like the inputs' ``.grad``, are the graph's static
-    outputs: each ``replay()`` rewrites them). Inputs must be static tensors the caller refills
-    with ``copy_``, and the caller keeps ``step``'s tensors (its module's parameters, its inputs) alive as long as it
-    replays the graph: the graph reads their memory, and freed memory is handed to other tensors,
-    or returned to the driver when the next ``torch.cuda.graph`` capture begins (a replay then
-    reads and writes others' memory, or faults)."""
+    captured call. Returns the graph and the captured call's result (its tensors, like the inputs'
+    ``.grad``, are the graph's static outputs: each ``replay()`` rewrites them). Inputs must be
+    static tensors the caller refills with ``copy_``, and the caller keeps ``step``'s tensors (its
+    module's parameters, its inputs) alive as long as it replays the graph: the graph reads their
+    memory, and freed memory is handed to other tensors, or returned to the driver when the next
+    ``torch.cuda.graph`` capture begins (a replay then reads and writes others' memory, or faults)."""
     from .ops.graphed import as_captured
 
     side = torch.cuda.Stream()

@@ -411,13 +411,13 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
 
 
 def layout_rows(layout: ScaleLayout, device: torch.device | None = None) -> int:
-    """Rows per expert that GEMMs on activations cast with ``layout`` need to run natively: 128
-    for 1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``,
-    whichever grouped GEMM runs. Why 128 there: the one-launch Triton grouped GEMMs (eager
-    ``auto``) take whole 128-row tiles, and the segmented casts of every backend take their fast
-    aligned kernels only for 128-row segments. Until 2026-12-06 a graphed step (cuBLAS per
-    expert) padded router splits to 16, and its unaligned segmented cast of x took 1164 us where
-    the aligned one takes ~90 (H100, 8 experts, ~16k rows, K=4096; docs/benchmarks.md run AI). The extra zero rows
+    """Rows per expert that GEMMs on activations cast with ``layout`` need to run natively: 128 for
+    1x128 blocks, 32 for MXFP8; per-tensor scales 16 (cuBLAS), or 128 on a CUDA ``device``,
+    whichever grouped GEMM runs. Why 128 there: the one-launch Triton grouped GEMMs (eager ``auto``)
+    take whole 128-row tiles, and the segmented casts of every backend take their fast aligned
+    kernels only for 128-row segments. Until 2026-12-06 a graphed step (cuBLAS per expert) padded
+    router splits to 16, and its unaligned segmented cast of x took 1164 us where the aligned one
+    takes ~90 (H100, 8 experts, ~16k rows, K=4096; docs/benchmarks.md run AI). The extra zero rows
     are at most 127 per expert."""
     if layout is ScaleLayout.BLOCK_1x128:
         return 128

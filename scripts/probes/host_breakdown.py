@@ -44,13 +44,12 @@ def make_grouped_step(name: str, device: str) -> Callable[[], None]:
     kind = name.removeprefix("grouped-")
     routed = kind.startswith("router-")  # grouped-router-<recipe>: a new router split each step
     kind = kind.removeprefix("router-")
-    turn = itertools.cycle([router_splits(e * t, e, 2, seed=s) for s in range(16)] if routed else [[t] * e])
-    splits = [t] * e
+    splits = [router_splits(e * t, e, 2, seed=s) for s in range(16)] if routed else [[t] * e]
+    turn = itertools.cycle(splits)
     if kind == "bf16":
         w = torch.randn(e, n, k, dtype=dt, device=device, requires_grad=True)
-        offsets = [torch.tensor(sp, device=device).cumsum(0).to(torch.int32) for sp in
-                   ([router_splits(e * t, e, 2, seed=s) for s in range(16)] if routed else [splits])]
-        offs_turn = itertools.cycle(offsets)  # made before the steps, as _grouped_mm's caller would hold them
+        # made before the steps, as _grouped_mm's caller would hold them
+        offs_turn = itertools.cycle([torch.tensor(sp, device=device).cumsum(0).to(torch.int32) for sp in splits])
 
         def ref() -> None:
             torch._grouped_mm(x, w.transpose(-2, -1), offs=next(offs_turn)).backward(dy)
