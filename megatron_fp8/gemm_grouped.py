@@ -331,7 +331,7 @@ def _triton_grouped_starts(a: Sequence[Operand], b: Sequence[Operand], a0: _Firs
 
 
 def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool,
-                         name: str) -> torch.Tensor | None:
+                         name: str, keep: Sequence[int] | None = None) -> torch.Tensor | None:
     """``cat_i(a_i @ b_i.T)`` in one Triton launch (``triton_grouped.grouped_rows``) where the
     operands are laid out for it (``_triton_grouped_starts``; every expert's weight the same shape;
     tensorwise, any FP8 pair, or 1x128 x 128x128 scales). None otherwise."""
@@ -352,8 +352,9 @@ def _grouped_triton_rows(a: Sequence[Operand], b: Sequence[Operand], out_dtype: 
     (a_buf, sa), (b_buf, sb) = _buffers(a, got[1]), _buffers(b, got[2])
     a_all = a_buf if a_buf.shape == (m, k) else a_buf.as_strided((m, k), (k, 1))
     b_all = b_buf.as_strided((g, n, k), (n * k, k, 1))
+    kept = (segment_offsets(keep, a0.device), sum(keep)) if keep is not None else None
     return triton_grouped.grouped_rows(a_all, b_all, sa, sb, segment_offsets(splits, a0.device), out_dtype,
-                                       blocked=blocked, fast_accum=fast_accum)
+                                       blocked=blocked, fast_accum=fast_accum, keep=kept)
 
 
 def grouped_wgrad(
@@ -390,6 +391,7 @@ def grouped_gemm_cat(
     *,
     name: str = "grouped_gemm",
     fast_accum: bool = False,
+    keep: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``cat_i(a_i @ b_i.T)``, ``[sum m_i, n]``: one launch where the operands allow it, else one
     ``gemm`` per expert into its rows of the output. ``MEGATRON_FP8_GROUPED_GEMM`` picks the one-launch
@@ -400,20 +402,51 @@ def grouped_gemm_cat(
     GEMMs); ``loop`` one ``scaled_mm`` per expert, each writing its rows of the output (no
     concatenation: measured 2026-12-02 on an H200, the ``torch.cat`` it replaced took 31-112 us of
     a ~1.1-1.9 ms graphed step), which is also what ``auto`` does while a CUDA graph is captured
-    (``_grouped_backend``)."""
-    out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name)
-    if out is None and _grouped_backend(a[0].data.device) in ("auto", "torch"):
-        out = _grouped_native(a, b, out_dtype, fast_accum, name)
+    (``_grouped_backend``).
+
+    ``keep``: the experts' real row counts where their rows were zero-padded for the GEMMs
+    (``keep[i] <= m_i``): the output is ``[sum keep, n]``, each expert's first ``keep[i]`` rows
+    (the padding dropped by the GEMMs themselves, ``_cat_kept``)."""
+    if keep is not None and list(keep) == _sizes(a, 0):
+        keep = None
+    out = _grouped_triton_rows(a, b, out_dtype, fast_accum, name, keep)
     if out is not None:
         return out
+    if _grouped_backend(a[0].data.device) in ("auto", "torch"):
+        out = _grouped_native(a, b, out_dtype, fast_accum, name)
+        if out is not None:
+            return out if keep is None else _drop_padding(out, _sizes(a, 0), keep)
     if len(a) != len(b):
         raise ValueError(f"{name}: {len(a)} a-operands but {len(b)} b-operands")
-    y = torch.empty(sum(_sizes(a, 0)), b[0].shape[0], dtype=out_dtype, device=a[0].data.device)
+    return _cat_kept(a, b, out_dtype, fast_accum, name, keep)
+
+
+def _drop_padding(y: torch.Tensor, splits: Sequence[int], keep: Sequence[int]) -> torch.Tensor:
+    """Each expert's first ``keep[i]`` rows of ``y`` (its rows ``splits[i]``), in one copy."""
+    starts = itertools.accumulate(splits, initial=0)
+    return torch.cat([y[s:s + k] for s, k in zip(starts, keep)])
+
+
+def _cat_kept(a: Sequence[Operand], b: Sequence[Operand], out_dtype: torch.dtype, fast_accum: bool, name: str,
+              keep: Sequence[int] | None) -> torch.Tensor:
+    """One ``gemm`` per expert, each writing its rows of the output in place. With ``keep`` an
+    expert's GEMM still computes its padded rows, but writes them at its real rows' start: its
+    padding overwrites the first rows of the experts after it, which their own GEMMs, later on the
+    same stream, then write. An expert whose padded rows would run past the output's end writes
+    into a buffer of its own and copies its real rows over (at most the last few experts; no
+    gather of the whole output, as dropping the padding afterwards costs: 46 us for y and 96 us for
+    dx of a graphed router step, H100, docs/benchmarks.md run AI)."""
+    sizes = _sizes(a, 0)
+    kept = sizes if keep is None else list(keep)
+    total = sum(kept)
+    y = torch.empty(total, b[0].shape[0], dtype=out_dtype, device=a[0].data.device)
     row = 0
-    for i, (ai, bi) in enumerate(zip(a, b)):  # each expert's GEMM writes its rows of y
-        rows = ai.shape[0]
-        gemm(ai, bi, out_dtype, name=f"{name}[{i}]", fast_accum=fast_accum, out=y[row:row + rows])
-        row += rows
+    for i, (ai, bi, m, k) in enumerate(zip(a, b, sizes, kept)):
+        if row + m <= total:
+            gemm(ai, bi, out_dtype, name=f"{name}[{i}]", fast_accum=fast_accum, out=y[row:row + m])
+        elif k:
+            y[row:row + k] = gemm(ai, bi, out_dtype, name=f"{name}[{i}]", fast_accum=fast_accum)[:k]
+        row += k
     return y
 
 

@@ -589,6 +589,34 @@ def test_padding_experts_to_the_native_alignment(name: str) -> None:
             assert (got - want).float().abs().max() <= 2**-7 * want.float().abs().max().clamp(min=1.0)
 
 
+@pytest.mark.parametrize("backend", ["loop", "auto"])
+def test_grouped_gemm_keeps_only_the_real_rows(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grouped_gemm_cat(keep=...)``: the experts' GEMMs write only their real rows, each at its
+    place in the unpadded output (one GEMM's padding lands on the next experts' first rows before
+    their GEMMs write them; the last experts, whose padding would run past the end, go through a
+    buffer of their own), bit for bit the padded output with its padding dropped afterwards."""
+    from megatron_fp8.gemm_grouped import grouped_gemm_cat
+    from megatron_fp8.quant.quantizers import CurrentScalingQuantizer
+
+    monkeypatch.setenv("MEGATRON_FP8_GROUPED_GEMM", backend)
+    padded, real = [16, 0, 32, 16, 16], [5, 0, 17, 10, 1]  # the last two both run past the end
+    torch.manual_seed(0)
+    x = torch.randn(sum(padded), 64).bfloat16()
+    for i, (p, r) in enumerate(zip(padded, real)):  # zero padding rows, as the layer's
+        start = sum(padded[:i])
+        x[start + r:start + p] = 0
+    ws = [torch.randn(48, 64).bfloat16() for _ in padded]
+    q = CurrentScalingQuantizer(torch.float8_e4m3fn)
+    a = [q.quantize(xi, columnwise=False).rowwise for xi in x.split(padded)]
+    b = [q.quantize(w, columnwise=False).rowwise for w in ws]
+    full = grouped_gemm_cat(a, b, torch.bfloat16)
+    starts = [sum(padded[:i]) for i in range(len(padded))]
+    want = torch.cat([full[s:s + r] for s, r in zip(starts, real)])
+    got = grouped_gemm_cat(a, b, torch.bfloat16, keep=real)
+    assert got.shape == (sum(real), 48)
+    assert torch.equal(got, want)
+
+
 def test_expert_rows_index() -> None:
     """The padded row of every real row and the padded splits (empty and aligned experts too)."""
     from megatron_fp8.ops.grouped_linear import expert_rows

@@ -95,6 +95,31 @@ def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: 
 
 
 @pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_rows_keep_writes_only_the_real_rows(name: str) -> None:
+    """``grouped_rows(keep=...)``: each expert's first real rows at its place in the unpadded output,
+    bit for bit those of the padded output with its padding dropped afterwards (fprop and dgrad of
+    router splits padded to 128, ``ops.grouped_linear``)."""
+    g = len(SPLITS)
+    x, w, _ = _inputs()
+    qx, qw, _ = QUANTIZERS[name]
+    xs = qx.quantize_segments(x, SPLITS, peers=[qx] * g, rowwise=True, columnwise=False)
+    ws = qw.quantize_segments(w, [N] * g, peers=[qw] * g, rowwise=True, columnwise=False)
+    assert xs is not None and ws is not None
+    off = kernels.segment_offsets(SPLITS, x.device)
+    real = [100, 0, 129, 1]  # at most each padded count; an expert without rows
+    m = sum(SPLITS)
+    a, b = xs[0].rowwise, ws[0].rowwise
+    args = (a.data.as_strided((m, K), (K, 1)), b.data.as_strided((g, N, K), (N * K, K, 1)), a.scale_inv,
+            b.scale_inv, off, torch.bfloat16)
+    full = tg.grouped_rows(*args, blocked=name == "block")
+    kept = tg.grouped_rows(*args, blocked=name == "block", keep=(kernels.segment_offsets(real, x.device), sum(real)))
+    starts = itertools.accumulate(SPLITS, initial=0)
+    want = torch.cat([full[s:s + r] for s, r in zip(starts, real)])
+    assert kept.shape == (sum(real), N)
+    assert torch.equal(kept, want)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_packs_agree_with_the_per_expert_layout_checks(name: str) -> None:
     """A one-launch cast's Operands carry their Pack: ``Pack.of`` answers at once what the
     expert-by-expert checks (data back to back, scales where the grouped kernels read them)

@@ -55,8 +55,8 @@ def _expert_of(row, off_ptr, n_exp):
 
 
 @triton.jit
-def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm, n_tn,
-                 BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, dst_ptr, N, K, n_exp, n_tm, n_tn,
+                 DST: tl.constexpr, BLOCKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr, OUT: tl.constexpr):
     pid = tl.program_id(0)
     per_group = GROUP_M * n_tn  # tiles ordered in bands of GROUP_M row tiles (L2 reuse of b)
@@ -91,7 +91,13 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_exp, n_tm
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
+    if DST:  # only each expert's first rows, at its row of the unpadded output (dst_ptr: their offsets)
+        d0 = tl.load(dst_ptr + e)
+        local = rm - start
+        keep = local < tl.load(dst_ptr + e + 1) - d0
+        tl.store(c_ptr + (d0 + local)[:, None] * N + rn[None, :], acc.to(OUT), mask=keep[:, None] & (rn[None, :] < N))
+    else:
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(OUT), mask=rn[None, :] < N)
 
 
 @triton.jit
@@ -159,17 +165,21 @@ _ROWS, _KGROUP = Launcher(_rows_kernel), Launcher(_kgroup_kernel)  # ~35 us less
 
 def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
                  out_dtype: torch.dtype, *, blocked: bool, fast_accum: bool = False,
-                 tiles: Tiles | None = None) -> torch.Tensor:
+                 tiles: Tiles | None = None, keep: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``cat_e(a[rows of e] @ b[e].T)``: ``a [M, K]`` FP8, ``b [G, N, K]`` FP8, ``offsets [G+1]``
     (multiples of 128). ``sa``/``sb``: per-expert 1/scales 16 bytes apart (tensor) or the block
-    scale buffers described in the module docstring."""
+    scale buffers described in the module docstring. ``keep``: ``(offsets [G+1], rows)`` of an
+    output without the experts' padding: only expert e's first ``keep[0][e+1] - keep[0][e]`` rows
+    are written, at ``keep[0][e]`` of a ``[rows, N]`` output (the same bits as dropping the padded
+    rows afterwards, without a gather over the whole output)."""
     t = tiles or ROWS
     m, k = a.shape
     g, n, _ = b.shape
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    c = torch.empty((m if keep is None else keep[1], n), dtype=out_dtype, device=a.device)
     n_tm, n_tn = m // t.bm, cdiv(n, t.bn)
     if m:
-        _ROWS((n_tm * n_tn,), a, b, c, sa, sb, offsets, n, k, g, n_tm, n_tn, BLOCKED=blocked, BM=t.bm, BN=t.bn,
+        _ROWS((n_tm * n_tn,), a, b, c, sa, sb, offsets, offsets if keep is None else keep[0], n, k, g, n_tm, n_tn,
+              DST=keep is not None, BLOCKED=blocked, BM=t.bm, BN=t.bn,
               BK=BLOCK, GROUP_M=t.group_m, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype],
               num_warps=t.warps, num_stages=t.stages)
     return c

@@ -46,8 +46,9 @@ buffers (``quant.tensor.Pack``: the same storage as the experts' views), others 
 expert's data and scales. FP8 off: ``x`` and the weights.
 
 Padding for the GEMMs (``pad_to``, on CUDA the recipe's alignment for splits the GEMMs cannot
-take) happens inside the function (``ops.padding.Padded``): x is padded before its casts and
-the output's padding dropped, dy padded before its casts and dx's padding dropped. Saved: the
+take) happens inside the function (``ops.padding.Padded``): x is padded before its casts and dy
+before its casts; the fprop and dgrad GEMMs write only the real rows (``grouped_gemm_cat``'s
+``keep``), so the outputs need no unpadding. Saved: the
 row index, and the padded x's FP8 copies, or with ``save_original_input`` the caller's own ``x``
 (padded again in backward): no high-precision copy the caller does not hold, so the flag keeps
 its meaning (a padding op outside, ``Tensor.index_copy``, saved its whole source as well).
@@ -339,11 +340,10 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs, padded: Padded | 
     x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
                                            columnwise=args.wgrad and not soi)
     w_rows, w_cols = _weight_operands(args.w_fp8)
-    y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True)
+    # (padded: the GEMMs write only the real rows, ``gemm_grouped.grouped_gemm_cat``'s ``keep``)
+    y = grouped_gemm_cat(x_rows, w_rows, x.dtype, name="fprop", fast_accum=True, keep=args.real_splits)
     n_out = ctx.weights[0].shape[0]
     ctx.n_pad = y.shape[1] - n_out  # zero rows of a partial 128x128 weight block (ops.linear.cast_weight)
-    if padded is not None:
-        y = padded.unpad(y)
     if ctx.n_pad:
         y = y[:, :n_out].contiguous()
     w_saved, ctx.w_meta = _stash(w_cols)
@@ -399,9 +399,7 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     dy_rows, dy_cols, _ = _cast_split(grads, dy, args.m_splits, rowwise=need_dx, columnwise=need_dw)
     dx = None
     if need_dx:
-        dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad")
-        if padded is not None:
-            dx = padded.unpad(dx)
+        dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad", keep=args.real_splits)
     dws: list[torch.Tensor | None] = [None] * n
     if need_dw:
         x_cols = _saved_x_columnwise(ctx, orig, scales, x_saved, padded)

@@ -208,15 +208,18 @@ def _record(name: str, layouts: tuple[ScaleLayout, ScaleLayout], mnk: tuple[int,
 
 
 def _rows_gemm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, off: torch.Tensor, g: int,
-               n: int, k: int, out_dtype: torch.dtype, blocked: bool, fast_accum: bool) -> torch.Tensor:
+               n: int, k: int, out_dtype: torch.dtype, blocked: bool, fast_accum: bool,
+               real: tuple[int, ...] | None) -> torch.Tensor:
     """``gemm_grouped._grouped_triton_rows`` on a pack's buffers: ``a [M, k]``, ``b`` every
-    expert's ``[n, k]`` back to back."""
+    expert's ``[n, k]`` back to back; ``real``: the experts' counts before padding (only their
+    rows are written: ``triton_grouped.grouped_rows``'s ``keep``)."""
     from ..kernels import triton_grouped
 
     m = a.numel() // k
     a_all = a if a.shape == (m, k) else a.as_strided((m, k), (k, 1))
+    keep = (kernels.segment_offsets(real, a.device), sum(real)) if real is not None else None
     return triton_grouped.grouped_rows(a_all, b.as_strided((g, n, k), (n * k, k, 1)), sa, sb, off, out_dtype,
-                                       blocked=blocked, fast_accum=fast_accum)
+                                       blocked=blocked, fast_accum=fast_accum, keep=keep)
 
 
 class LeanGrouped(torch.autograd.Function):
@@ -242,10 +245,8 @@ class LeanGrouped(torch.autograd.Function):
         w_rows, cols = w_fp8.rows, w_fp8.cols
         assert w_rows is not None and cols is not None
         m, n, k = sum(splits), plan.n, plan.k
-        y = _rows_gemm(xr, xrs, w_rows.data, w_rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True)
+        y = _rows_gemm(xr, xrs, w_rows.data, w_rows.scale_inv, off, g, n, k, x.dtype, plan.blocked, True, real)
         _record("fprop", (q_in.layout, w_rows.layout), (m, n, k))
-        if padded is not None:
-            y = padded.unpad(y)
         if biases and biases[0] is not None:
             from .grouped_linear import add_expert_biases
 
@@ -288,8 +289,6 @@ class LeanGrouped(torch.autograd.Function):
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
                 dx, dws = _general_gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
-        if dx is not None and padded is not None:
-            dx = padded.unpad(dx)
         if ctx.fuse_wgrad and need_dw:
             dws = accumulate_experts(ctx.weights, dws)
         return dx, None, None, None, None, None, None, *dws, *dbs
@@ -332,7 +331,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     dyr, dyrs, dyc, dycs, _ = _cast(plan, "grad_output", dy, splits, off, need_dx, need_dw)
     m, n, k = sum(splits), plan.n, plan.k
     if need_dx:  # dy [M, N] against each expert's columnwise weight [K, N]
-        dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False)
+        dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False, ctx.real)
     if need_dw:
         from ..kernels import triton_grouped
 
@@ -368,7 +367,7 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
     *x_saved, wc, wcs = saved
     w_cols = Operands(Pack(wc, _aligned(wcs, ctx.w_layout, g), (plan.n,) * g, plan.k, ctx.w_layout, True))
     dy_rows, dy_cols, _ = _cast_split(_roles(qs, "grad_output"), dy, splits, rowwise=need_dx, columnwise=need_dw)
-    dx = gg.grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad") if need_dx else None
+    dx = gg.grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad", keep=ctx.real) if need_dx else None
     dws: list[torch.Tensor | None] = [None] * g
     if need_dw:
         if plan.soi:

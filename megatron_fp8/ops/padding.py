@@ -44,9 +44,6 @@ class Padded(NamedTuple):
         pass on the GPU, ``kernels.pad_expert_rows``)."""
         return pad_expert_rows(t, self.rows, self.total)
 
-    def unpad(self, t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, self.rows)
-
 
 class _PadRows(torch.autograd.Function):
     """``x``'s rows written to rows ``rows`` of ``total`` zero rows; backward gathers them back.

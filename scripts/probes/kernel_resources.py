@@ -38,7 +38,8 @@ _PERSISTENT_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("col_ptr", "*f
                     ("inv_ptr", "*fp32"), ("seg_ptr", "*i64"), ("sync_ptr", "*i32")] + [
                         (n, "i32") for n in ("M", "K", "n_kb", "n_seg")]
 _ROWS_ARGS = [("a_ptr", "*fp8e4nv"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
-              ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
+              ("sb_ptr", "*fp32"), ("off_ptr", "*i32"), ("dst_ptr", "*i32")] + [
+                  (n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
 _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
                 ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_tn", "n_tk")]
 
@@ -55,7 +56,7 @@ def _persistent_case(row: bool, col: bool, seg: bool) -> dict[str, Any]:
 
 
 def _rows_case(blocked: bool, imprecise: int | None) -> dict[str, Any]:
-    return dict(BLOCKED=blocked, BM=128, BN=128, BK=128, GROUP_M=8, IMPRECISE=imprecise, OUT=tl.bfloat16)
+    return dict(DST=False, BLOCKED=blocked, BM=128, BN=128, BK=128, GROUP_M=8, IMPRECISE=imprecise, OUT=tl.bfloat16)
 
 
 # name: (kernel, signature, constexprs, stages)
