@@ -211,3 +211,70 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["1x128", "tensor"])
+def test_gathered_cast_equals_the_cast_of_the_padded_tensor(mode: str, dtype: torch.dtype, monkeypatch) -> None:
+    """Experts zero-padded to 128 rows, cast from their unpadded rows (``cast_segments_gathered``:
+    the padding read as zeros, never written) == the cast of the padded tensor, bit for bit, with
+    router-like counts (an empty expert, one of a single row, one already a multiple of 128)."""
+    from megatron_fp8.kernels.triton_cast import cast_segments, cast_segments_gathered
+    from megatron_fp8.ops.padding import expert_rows
+    from megatron_fp8.quant.kernels import aligned_copy, pad_expert_rows
+
+    real = [293, 0, 1, 256, 219, 127]
+    x = _input(sum(real), 512)
+    rows, padded = expert_rows(real, 128, x.device)
+    xp = pad_expert_rows(x, rows, sum(padded))
+    scale = aligned_copy(torch.logspace(-2, 4, len(real), device="cuda")) if mode == "tensor" else None
+    calls = _spy(monkeypatch)
+    got = cast_segments_gathered(x, segment_offsets(real, x.device), segment_offsets(padded, x.device), padded, dtype,
+                                 mode, scale)
+    assert got is not None and calls == [True]
+    want = cast_segments(xp, segment_offsets(padded, x.device), padded, dtype, mode, True, True, scale)
+    assert same_bits([t for t in got if t is not None], [t for t in want if t is not None])
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_grouped_layer_gathered_casts_equal_padding_first(recipe: str, monkeypatch) -> None:
+    """A grouped layer with router splits: its x and dy casts read the experts' unpadded rows
+    (``kernels.cast_gathered``; current scaling under ``MEGATRON_FP8_CUDA_CURRENT=1``, as while a
+    graph is captured) and its GEMMs write only the real rows; output and gradients equal those with
+    the padded tensors written first, bit for bit, on the lean and the general path."""
+    import megatron_fp8 as mf
+    from megatron_fp8.modules.grouped import GroupedLinear
+    from megatron_fp8.quant import kernels
+    from megatron_fp8.recipe import PRESETS
+    from megatron_fp8.testing import router_splits
+
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "1")
+    splits = router_splits(4096, 8, 2, seed=3)
+    assert any(m % 128 for m in splits)
+    torch.manual_seed(0)
+    layer = GroupedLinear(8, 1024, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(sum(splits), 1024, device="cuda").bfloat16()
+    dy = torch.randn(sum(splits), 512, device="cuda").bfloat16()
+    gathered = []
+    real = kernels.cast_gathered
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        gathered.append(out is not None)
+        return out
+
+    runs = {}
+    for lean in ("auto", "0"):
+        monkeypatch.setenv("MEGATRON_FP8_LEAN", lean)
+        for gather in (True, False):
+            monkeypatch.setattr(kernels, "cast_gathered", spy if gather else lambda *a, **k: None)
+            gathered.clear()
+            xi = x.clone().requires_grad_()
+            with mf.fp8_autocast(fp8_recipe=PRESETS[recipe]):
+                y = layer(xi, splits)
+            y.backward(dy)
+            runs[lean, gather] = [y.detach(), xi.grad, *(w.grad.clone() for w in layer.weights)]
+            layer.zero_grad(set_to_none=True)
+            if gather:
+                assert gathered == [True, True], f"x's and dy's casts should read the unpadded rows ({lean})"
+        assert same_bits(runs[lean, True], runs[lean, False])

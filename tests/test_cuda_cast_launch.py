@@ -31,12 +31,12 @@ def test_arguments_mirror_the_kernel() -> None:
 
 
 def test_argv_points_at_each_value() -> None:
-    ptrs = tuple(0x7F00_0000_0000 + 256 * i for i in range(7))
+    ptrs = tuple(0x7F00_0000_0000 + 256 * i for i in range(8))
     args = cuda_cast._Args(*ptrs, 16384, 4096, 8)
     base = ctypes.addressof(args)
     argv = cuda_cast._ARGV(*[base + off for off in cuda_cast._OFFSETS])
-    got = [ctypes.c_void_p.from_address(argv[i]).value for i in range(7)]
-    got += [ctypes.c_int.from_address(argv[i]).value for i in range(7, 10)]
+    got = [ctypes.c_void_p.from_address(argv[i]).value for i in range(8)]
+    got += [ctypes.c_int.from_address(argv[i]).value for i in range(8, 11)]
     assert got == [*ptrs, 16384, 4096, 8]
 
 

@@ -49,13 +49,16 @@ def _build(options: list[str]) -> tuple[int, str]:
 # the clamp) and every variant scripts/probes/probe_cuda_cast.py times, in every mode and format
 VARIANTS = [(3, 1, 1, 1), (3, 1, 1, 0), (3, 0, 0, 0), (4, 0, 0, 0), (3, 1, 0, 0), (3, 0, 1, 0), (3, 0, 0, 1),
             (4, 0, 0, 1)]
-CONFIGS = [(mode, e5m2, *v) for mode, e5m2, v in itertools.product((0, 1, 2), (0, 1), VARIANTS)]
+CONFIGS = [(mode, e5m2, *v, 0) for mode, e5m2, v in itertools.product((0, 1, 2), (0, 1), VARIANTS)]
+# the gathered casts (padded experts read from their unpadded rows) in the package's builds
+CONFIGS += [(mode, e5m2, *v, 1) for mode, e5m2, v in itertools.product((0, 1, 2), (0, 1), VARIANTS[:2])]
 
 
-@pytest.mark.parametrize("mode,e5m2,minb,kfast,stream,noclamp", CONFIGS)
-def test_builds_without_warnings(mode: int, e5m2: int, minb: int, kfast: int, stream: int, noclamp: int) -> None:
+@pytest.mark.parametrize("mode,e5m2,minb,kfast,stream,noclamp,gather", CONFIGS)
+def test_builds_without_warnings(mode: int, e5m2: int, minb: int, kfast: int, stream: int, noclamp: int,
+                                 gather: int) -> None:
     rc, log = _build([f"-DMODE={mode}", f"-DE5M2={e5m2}", f"-DMINB={minb}", f"-DKFAST={kfast}",
-                      f"-DSTREAM={stream}", f"-DNOCLAMP={noclamp}"])
+                      f"-DSTREAM={stream}", f"-DNOCLAMP={noclamp}", f"-DGATHER={gather}"])
     assert rc == 0, log
     assert "warning" not in log.lower(), log
     regs = int(re.search(r"Used (\d+) registers", log).group(1))

@@ -47,6 +47,9 @@
 #ifndef NOCLAMP
 #define NOCLAMP 0
 #endif
+#ifndef GATHER
+#define GATHER 0
+#endif
 #if STREAM
 #define STORE(ptr, val) __stcs(ptr, val)
 #else
@@ -136,11 +139,14 @@ __device__ __forceinline__ Where locate(long long m0, long long k0, const long l
 }
 
 // One tile a block (grid: M/128 x K/128, or K/128 x M/128 with KFAST); seg: the segments'
-// offsets, n_seg 0: one tensor.
+// offsets, n_seg 0: one tensor. With -DGATHER=1 the segments are experts zero-padded to 128 rows
+// and x holds only their real rows, back to back (src: the real segments' offsets): a tile row
+// past its expert's real count reads as zeros, so the copies are those of the padded tensor
+// without it ever being written.
 extern "C" __global__ void __launch_bounds__(256, MINB)
 cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row, float *__restrict__ row_s,
           unsigned char *__restrict__ col, float *__restrict__ col_s, const long long *__restrict__ seg,
-          const float *__restrict__ tscale, int M, int K, int n_seg) {
+          const float *__restrict__ tscale, const long long *__restrict__ src, int M, int K, int n_seg) {
   __shared__ __align__(16) unsigned short xs[T * XS];
 #if MODE == 0
   __shared__ float part[2 * T];  // the column amaxes of the two row halves
@@ -157,9 +163,19 @@ cast_tile(const unsigned short *__restrict__ x, unsigned char *__restrict__ row,
   [[maybe_unused]] const int bm = blockIdx.x, bk = blockIdx.y;  // scale indices (modes 0, 1)
 #endif
   uint4 d[8];  // every load issued before anything waits on one
+#if GATHER
+  const Where w = locate(m0, k0, seg, n_seg, M);
+  const long long from = src[w.eid], real = src[w.eid + 1] - from, first = m0 - w.start;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const long long r = first + r0 + 16 * i;  // the row within its expert
+    d[i] = r < real ? *reinterpret_cast<const uint4 *>(x + (from + r) * K + k0 + 8 * v) : make_uint4(0, 0, 0, 0);
+  }
+#else
 #pragma unroll
   for (int i = 0; i < 8; ++i) d[i] = *reinterpret_cast<const uint4 *>(x + (m0 + r0 + 16 * i) * K + k0 + 8 * v);
   const Where w = locate(m0, k0, seg, n_seg, M);
+#endif
   float tile_s = 1.0f;
 #if MODE == 1
   float tmax = 0.0f;

@@ -76,21 +76,22 @@ def current_setting() -> str:
     return v
 
 
-def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device) -> Any | None:
+def prebuild(mode: str, fp8_dtype: torch.dtype, device: torch.device, gather: bool = False) -> Any | None:
     """The kernel for ``mode``, ``fp8_dtype`` and ``device``, built now if it is not yet (NVRTC and
     module loading; None where it cannot be built): ``cast`` launches it, and an eager step calls
     it for the captured steps that follow under ``MEGATRON_FP8_CUDA_CURRENT=capture``, so that a
     capture only launches it."""
     return _kernel(mode, fp8_dtype == torch.float8_e5m2,
-                   device.index if device.index is not None else torch.cuda.current_device())
+                   device.index if device.index is not None else torch.cuda.current_device(), gather)
 
 
 @functools.cache
-def _kernel(mode: str, e5m2: bool, device: int) -> _Kernel | None:
-    """The compiled kernel for ``mode`` on ``device``, or None (with one warning) where it cannot
-    be built: no NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
+def _kernel(mode: str, e5m2: bool, device: int, gather: bool = False) -> _Kernel | None:
+    """The compiled kernel for ``mode`` on ``device`` (``gather``: reading padded experts' rows
+    from their unpadded tensor, ``cast``), or None (with one warning) where it cannot be built: no
+    NVRTC, or a torch without ``torch.cuda._compile_kernel``."""
     options = [f"-DMODE={MODES[mode]}", f"-DE5M2={int(e5m2)}", f"-DMINB={_BLOCKS_PER_SM}", "-DKFAST=1",
-               "-DSTREAM=1", f"-DNOCLAMP={int(not _CLAMP)}"]
+               "-DSTREAM=1", f"-DNOCLAMP={int(not _CLAMP)}", f"-DGATHER={int(gather)}"]
     try:
         with torch.cuda.device(device):
             ensure_context(device)
@@ -133,9 +134,9 @@ class _Kernel(NamedTuple):
 
 
 class _Args(ctypes.Structure):
-    """``cast_tile``'s parameters, in its order: seven pointers, then ``M``, ``K``, ``n_seg``."""
+    """``cast_tile``'s parameters, in its order: eight pointers, then ``M``, ``K``, ``n_seg``."""
 
-    _fields_ = [*((f"p{i}", ctypes.c_void_p) for i in range(7)), ("m", ctypes.c_int), ("k", ctypes.c_int),
+    _fields_ = [*((f"p{i}", ctypes.c_void_p) for i in range(8)), ("m", ctypes.c_int), ("k", ctypes.c_int),
                 ("n_seg", ctypes.c_int)]
 
 
@@ -174,35 +175,41 @@ def _launch(kernel: _Kernel, grid: tuple[int, int], ptrs: tuple[int, ...], m: in
 
 
 def serves(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool, aligned: bool,
-           scale_given: bool = True) -> bool:
+           scale_given: bool = True, gathered: bool = False) -> bool:
     """Whether ``cast`` takes this cast (then only a build failure sends it back). ``aligned``:
     no segments, or every segment a multiple of 128 rows; ``scale_given``: tensor mode's scales
-    exist before the cast (not computed inside it, as the fused Triton cast does)."""
+    exist before the cast (not computed inside it, as the fused Triton cast does); ``gathered``:
+    ``x`` holds the real rows of experts the cast pads (any count; ``cast``'s ``gather``)."""
     m, k = x.shape
     return (enabled() and x.is_cuda and x.dtype == torch.bfloat16 and rowwise and columnwise and aligned
             and mode in MODES and (mode != "tensor" or scale_given)
-            and m > 0 and k > 0 and m % TILE == 0 and k % TILE == 0 and x.is_contiguous()
+            and m > 0 and k > 0 and (gathered or m % TILE == 0) and k % TILE == 0 and x.is_contiguous()
             and fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def cast(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, offsets: torch.Tensor | None, n_seg: int,
          row: torch.Tensor, row_s: torch.Tensor | None, col: torch.Tensor, col_s: torch.Tensor | None,
-         tensor_scale: torch.Tensor | None = None) -> bool:
+         tensor_scale: torch.Tensor | None = None, gather: tuple[torch.Tensor, int] | None = None) -> bool:
     """Cast ``x [M, K]`` into the Triton cast's buffers (``triton_cast._launch``): ``row [M, K]``
     and ``col``, with ``row_s [K/128 * M]`` and ``col_s [M/128, K]`` (1x128), ``row_s [M/128,
     K/128]`` and the same scales transposed per segment into ``col_s [M/128 * K/128]``
     (segment e's ``[K/128, m_e/128]`` at ``start_e/128 * K/128``; 128x128), or the segments'
     given scales ``tensor_scale``, 16 bytes apart (tensor). False where the kernel cannot be
     built (nothing written). ``offsets``: the segments' device prefix sums (every one a multiple
-    of 128), or None for one tensor. Only for casts ``serves`` accepts."""
+    of 128), or None for one tensor. ``gather``: ``(real offsets, M)``: ``x`` holds only the
+    segments' real rows (their device prefix sums), each padded with zero rows to its count in
+    ``offsets`` (``M`` rows in all): the outputs are those of a cast of the padded tensor. Only for
+    casts ``serves`` accepts."""
     if mode == "128x128" and (col_s is None or row_s is None):
         raise ValueError("cuda_cast.cast: 128x128 writes row_s and its transpose col_s; give both buffers")
-    kernel = prebuild(mode, fp8_dtype, x.device)
+    if gather is not None and offsets is None:
+        raise ValueError("cuda_cast.cast: a gathered cast needs the padded segments' offsets")
+    kernel = prebuild(mode, fp8_dtype, x.device, gather is not None)
     if kernel is None:
         return False
-    m, k = x.shape
+    m, k = x.shape if gather is None else (gather[1], x.shape[1])
     unread = x.data_ptr()  # for buffers this mode never touches; segments unread when n_seg is 0
     ptrs = tuple(t.data_ptr() if t is not None else unread
-                 for t in (x, row, row_s, col, col_s, offsets, tensor_scale))
+                 for t in (x, row, row_s, col, col_s, offsets, tensor_scale, gather[0] if gather else None))
     _launch(kernel, (k // TILE, m // TILE), ptrs, m, k, n_seg if offsets is not None else 0)  # KFAST: K tiles fastest
     return True

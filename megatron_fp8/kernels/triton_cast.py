@@ -72,6 +72,7 @@ from .triton_tiles import (  # noqa: F401  (TILE, cast_warps, fp8_copies: also t
     _segment_of,
     _segment_of_row,
     cast_warps,
+    fp8_buffers,
     fp8_copies,
 )
 
@@ -225,6 +226,39 @@ class _Fused:
         self.part, self.s, self.inv, self.eps, self.pow2 = part, s, inv, eps, pow2
 
 
+def _outputs(m: int, k: int, dev: torch.device, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
+             segmented: bool) -> Raw:
+    """The raw buffers ``(row, row_s, col, col_s)`` a cast of ``[m, k]`` writes (``_launch``)."""
+    n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
+    row, col = fp8_buffers(m, k, dev, fp8_dtype, rowwise, columnwise, segmented)
+    row_s = col_s = None
+    if mode == "1x128":
+        row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
+        col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
+    elif mode == "128x128":
+        row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
+    return row, row_s, col, col_s
+
+
+def cast_segments_gathered(
+    x: torch.Tensor, real_offsets: torch.Tensor, offsets: torch.Tensor, splits: list[int], fp8_dtype: torch.dtype,
+    mode: str, tensor_scale: torch.Tensor | None = None,
+) -> Raw | None:
+    """``cast_segments`` (both copies; ``1x128``, or ``tensor`` with the scales given) of experts
+    zero-padded to ``splits`` (multiples of 128; ``offsets`` their prefix sums) that ``x`` holds
+    unpadded (``real_offsets``: the real counts' prefix sums), without writing the padded tensor:
+    the CUDA tile cast reads the padding as zeros (``cuda_cast.cast``'s ``gather``). Same raw
+    buffers, same bits; None where that kernel does not serve or build (the caller pads)."""
+    total = sum(splits)
+    if mode not in ("1x128", "tensor") or not total or any(s % TILE for s in splits) or not cuda_cast.serves(
+            x, fp8_dtype, mode, True, True, True, scale_given=tensor_scale is not None, gathered=True):
+        return None
+    raw = _outputs(total, x.shape[1], x.device, fp8_dtype, mode, True, True, True)
+    if not cuda_cast.cast(x, fp8_dtype, mode, offsets, len(splits), *raw, tensor_scale, gather=(real_offsets, total)):
+        return None
+    return raw
+
+
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
             fused: _Fused | None = None,
@@ -233,13 +267,7 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     m, k = x.shape
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
-    row, col = fp8_copies(x, fp8_dtype, rowwise, columnwise, offsets is not None)
-    row_s = col_s = None
-    if mode == "1x128":
-        row_s = torch.empty((n_kb * m,), dtype=torch.float32, device=dev) if rowwise else None
-        col_s = torch.empty((n_mb, k), dtype=torch.float32, device=dev) if columnwise else None
-    elif mode == "128x128":
-        row_s = torch.empty((n_mb, n_kb), dtype=torch.float32, device=dev)
+    row, row_s, col, col_s = _outputs(m, k, dev, fp8_dtype, mode, rowwise, columnwise, offsets is not None)
     if cuda_cast.serves(x, fp8_dtype, mode, rowwise, columnwise, offsets is None or aligned,
                         scale_given=fused is None and tensor_scale is not None):
         if mode == "128x128":  # the CUDA kernel also writes the scales transposed (cuda_cast.cast)
@@ -300,17 +328,20 @@ def cast_current(
     return raw[0], raw[2], scale, inv
 
 
-def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> bool:
+def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool,
+                    gathered: bool = False) -> bool:
     """Whether current scaling's cast of ``x`` (segments aligned to 128 rows, as
-    ``kernels.cast_current_segments`` ensures) goes as amax, scale and the CUDA tile cast
+    ``kernels.cast_current_segments`` ensures; ``gathered``: ``x`` the unpadded rows of experts the
+    cast pads, ``kernels.cast_current_gathered``) goes as amax, scale and the CUDA tile cast
     (``cast_current(..., scales_first=True)``; ``cuda_cast.current_enabled``). Where it does not
     only because no graph is being captured, the kernel is built now, for the captures to come."""
-    if not (x.numel() > 0 and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True)):
+    if not (x.numel() > 0 and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True,
+                                               gathered=gathered)):
         return False
     if cuda_cast.current_enabled():
         return True
     if cuda_cast.current_setting() == "capture":
-        cuda_cast.prebuild("tensor", fp8_dtype, x.device)
+        cuda_cast.prebuild("tensor", fp8_dtype, x.device, gathered)
     return False
 
 

@@ -137,10 +137,15 @@ def cast_warps(mode: str, rowwise: bool, columnwise: bool, transposed_load: bool
 
 def fp8_copies(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool, segmented: bool
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The FP8 copies a cast of ``x [M, K]`` writes (None where not asked for): rowwise ``[M, K]``;
-    columnwise ``[K, M]``, or with segments flat ``[K * M]`` (segment e's ``[K, m_e]`` at
-    ``K * start_e``)."""
-    m, k = x.shape
-    row = torch.empty((m, k), dtype=fp8_dtype, device=x.device) if rowwise else None
-    col = torch.empty((k * m,) if segmented else (k, m), dtype=fp8_dtype, device=x.device) if columnwise else None
+    """The FP8 copies a cast of ``x [M, K]`` writes (``fp8_buffers``)."""
+    return fp8_buffers(x.shape[0], x.shape[1], x.device, fp8_dtype, rowwise, columnwise, segmented)
+
+
+def fp8_buffers(m: int, k: int, device: torch.device, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool,
+                segmented: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The FP8 copies a cast of an ``[m, k]`` tensor writes (None where not asked for): rowwise
+    ``[m, k]``; columnwise ``[k, m]``, or with segments flat ``[k * m]`` (segment e's ``[k, m_e]``
+    at ``k * start_e``)."""
+    row = torch.empty((m, k), dtype=fp8_dtype, device=device) if rowwise else None
+    col = torch.empty((k * m,) if segmented else (k, m), dtype=fp8_dtype, device=device) if columnwise else None
     return row, col

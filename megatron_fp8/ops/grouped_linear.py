@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from ..gemm_grouped import grouped_gemm_cat, grouped_wgrad, packed, split_rows, stacked
 from ..quant.formats import ScaleLayout
-from ..quant.kernels import aligned_copy, device_ints
+from ..quant.kernels import PaddedRows, aligned_copy, device_ints
 from ..quant.quantizers import Quantizer, Segments
 from ..quant.tensor import SCALE_STRIDE, Operand, Operands, Pack, QuantizedTensor
 from . import paths
@@ -117,7 +117,7 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 # ---- casts ------------------------------------------------------------------------------------
 def _cast_split(
     quantizers: Sequence[Quantizer],
-    t: torch.Tensor,
+    t: torch.Tensor | PaddedRows,
     m_splits: Sequence[int],
     *,
     rowwise: bool,
@@ -129,8 +129,19 @@ def _cast_split(
     Rowwise copies of row-independent layouts are cast in one pass over ``t``; columnwise
     copies are cast per expert (zero-padded, see the module docstring). ``scales``: reuse
     these per-tensor scales and record no amax (``save_original_input`` in backward).
+    ``t`` a ``PaddedRows``: the experts' unpadded rows, cast as padded to ``m_splits`` without
+    writing the padded tensor where a kernel can (``quantize_segments_gathered``), else padded here.
     """
     n = len(m_splits)
+    if isinstance(t, PaddedRows):
+        gathered = None
+        if rowwise and columnwise and scales is None:
+            gathered = quantizers[0].quantize_segments_gathered(t, m_splits, peers=quantizers)
+        if gathered is not None:
+            assert gathered.rows is not None and gathered.cols is not None
+            return (Operands(gathered.rows), Operands(gathered.cols),  # type: ignore[return-value]
+                    list(gathered.scales) if gathered.scales is not None else [None] * n)
+        t = t.padded()
     seg = quantizers[0].quantize_segments_packed(t, m_splits, peers=quantizers, rowwise=rowwise,
                                                  columnwise=columnwise, scales=scales)
     if seg is not None:  # one pass over all experts (CUDA): per-expert views made only if a GEMM asks
@@ -333,11 +344,10 @@ def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs, padded: Padded | 
     original ``x`` is what ``save_original_input`` saves (the caller's tensor, not a copy)."""
     assert args.quantizers is not None and args.w_fp8 is not None
     soi, x_in = args.save_original_input, x
-    if padded is not None:
-        x = padded.pad(x)
+    src = padded.source(x, args.real_splits) if padded is not None and args.real_splits else x
     inputs = _roles(args.quantizers, "input")
     # x's columnwise copies serve only wgrad: not cast at all without one
-    x_rows, x_cols, x_scales = _cast_split(inputs, x, args.m_splits, rowwise=True,
+    x_rows, x_cols, x_scales = _cast_split(inputs, src, args.m_splits, rowwise=True,
                                            columnwise=args.wgrad and not soi)
     w_rows, w_cols = _weight_operands(args.w_fp8)
     # (padded: the GEMMs write only the real rows, ``gemm_grouped.grouped_gemm_cat``'s ``keep``)
@@ -391,12 +401,14 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx:
     n = ctx.n
     orig, scales, x_saved, w_saved, rows = _load(ctx)
     padded = Padded(rows[0], ctx.pad_total) if rows else None  # the index as the saved-tensor hooks hand it back
-    if padded is not None:
-        dy = padded.pad(dy)
     grads = _roles(args.quantizers, "grad_output")
+    src: torch.Tensor | PaddedRows = dy
     if ctx.n_pad:  # the weights' zero rows: zero gradient columns
-        dy = F.pad(dy, (0, ctx.n_pad))
-    dy_rows, dy_cols, _ = _cast_split(grads, dy, args.m_splits, rowwise=need_dx, columnwise=need_dw)
+        dy = F.pad(padded.pad(dy) if padded is not None else dy, (0, ctx.n_pad))
+        src = dy
+    elif padded is not None:
+        src = padded.source(dy, args.real_splits)
+    dy_rows, dy_cols, _ = _cast_split(grads, src, args.m_splits, rowwise=need_dx, columnwise=need_dw)
     dx = None
     if need_dx:
         dx = grouped_gemm_cat(dy_rows, _unstash(w_saved, ctx.w_meta), dy.dtype, name="dgrad", keep=args.real_splits)

@@ -174,13 +174,38 @@ def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
 
 
 # ---- the steps' routes ------------------------------------------------------------------------
-def _cast(plan: GroupedPlan, role: str, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor, rowwise: bool,
-          columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
+def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequence[int]
+              ) -> tuple[Any, Any, Any, Any, Any] | None:
+    """``_cast``'s both copies of padded experts read from their unpadded rows, where the casts of
+    the plan's kind do that here (blocks; current scaling where its casts take the CUDA tile cast),
+    else None."""
+    if plan.blocked:
+        raw = kernels.cast_gathered(src, splits, q.fp8_dtype, "1x128")
+        return (*raw, None) if raw is not None else None
+    if plan.kind == "current":
+        out = kernels.cast_current_gathered(src, splits, q.fp8_dtype, power_2_scale=q.power_2_scale,
+                                            amax_epsilon=q.amax_epsilon)
+        if out is not None:
+            row, col, scale, inv = out
+            return row, inv, col, inv, scale
+    return None
+
+
+
+def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, splits: Sequence[int],
+          off: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
     """Every expert's copies of ``t`` in one launch, as ``quantize_segments_packed`` casts them:
     raw ``(row, row scales, col, col scales, per-tensor scales [E] | None)``. Delayed scaling
     calls it (the experts' histories and scales are its state: one stacked advance, one amax
-    launch folding into the histories, the cast with the scales in force)."""
+    launch folding into the histories, the cast with the scales in force). ``t`` a
+    ``PaddedRows``: cast as padded to ``splits`` without the padded tensor where a kernel can
+    (``kernels.cast_gathered``), else padded first."""
     q = getattr(plan.quantizers[0], role)
+    if isinstance(t, kernels.PaddedRows):
+        got = _gathered(plan, q, t, splits) if rowwise and columnwise else None
+        if got is not None:
+            return got
+        t = t.padded()
     if plan.kind == "delayed":
         seg = q.quantize_segments_packed(t, splits, peers=plan.peers[role], rowwise=rowwise, columnwise=columnwise)
         if seg is None:
@@ -236,12 +261,12 @@ class LeanGrouped(torch.autograd.Function):
         padded = Padded(rows, sum(splits)) if rows is not None else None
         ctx.pad_total = padded.total if padded is not None else None  # (the index: among the saved tensors)
         x_in = x
-        if padded is not None:  # each expert's rows padded here, as _GroupedLinear pads them
-            x = padded.pad(x)
+        # each expert's rows padded, as _GroupedLinear pads them (by the cast itself where it can)
+        src = padded.source(x, real) if padded is not None and real is not None else x
         off = kernels.segment_offsets(splits, x.device)
         if x.is_cuda:
             gg._cublas_ready(x.device)  # as gemm_grouped's auto path does: a later capture needs the handle
-        xr, xrs, xc, xcs, xs = _cast(plan, "input", x, splits, off, True, plan.wgrad and not plan.soi)
+        xr, xrs, xc, xcs, xs = _cast(plan, "input", src, splits, off, True, plan.wgrad and not plan.soi)
         w_rows, cols = w_fp8.rows, w_fp8.cols
         assert w_rows is not None and cols is not None
         m, n, k = sum(splits), plan.n, plan.k
@@ -273,22 +298,23 @@ class LeanGrouped(torch.autograd.Function):
         saved = ctx.saved_tensors
         dbs = expert_bias_grads(dy, ctx.real or ctx.splits, ctx.bias_dtype)
         padded = None
+        src: torch.Tensor | kernels.PaddedRows = dy
         if ctx.pad_total is not None:  # the saved index, as the saved-tensor hooks hand it back
             padded = Padded(saved[0], ctx.pad_total)
             saved = saved[1:]
-            dy = padded.pad(dy)
+            src = padded.source(dy, ctx.real)
         if plan.backward_general or not _as_in_forward(ctx, plan, dy):
-            dx, dws = _general_gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
+            dx, dws = _general_gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
         else:
             try:
-                dx, dws = _gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
+                dx, dws = _gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
                 if not isinstance(exc, _Decline):  # (a declined cast: its kernel guard has warned)
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
-                dx, dws = _general_gradients(ctx, plan, dy, saved, padded, wgrad_dtype, need_dx, need_dw)
+                dx, dws = _general_gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
         if ctx.fuse_wgrad and need_dw:
             dws = accumulate_experts(ctx.weights, dws)
         return dx, None, None, None, None, None, None, *dws, *dbs
@@ -309,11 +335,12 @@ def _aligned(scale: torch.Tensor, layout: ScaleLayout, g: int) -> torch.Tensor:
     return scale
 
 
-def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
-               padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
-               ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor | kernels.PaddedRows,
+               saved: tuple[torch.Tensor, ...], padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool,
+               need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """dgrad and wgrad as ``grouped_linear._backward_fp8`` computes them, in its order: dy's
-    casts, dgrad, x's columnwise copy (``save_original_input``), wgrad."""
+    casts, dgrad, x's columnwise copy (``save_original_input``), wgrad. ``src``: what dy's casts
+    read (``dy`` itself, or its experts to be padded)."""
     splits, g = ctx.splits, len(ctx.splits)
     q0 = plan.quantizers[0]
     q_in, q_dy = q0.input, q0.grad_output
@@ -328,7 +355,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     off = kernels.segment_offsets(splits, dy.device)
     if dy.is_cuda:
         gg._cublas_ready(dy.device)
-    dyr, dyrs, dyc, dycs, _ = _cast(plan, "grad_output", dy, splits, off, need_dx, need_dw)
+    dyr, dyrs, dyc, dycs, _ = _cast(plan, "grad_output", src, splits, off, need_dx, need_dw)
     m, n, k = sum(splits), plan.n, plan.k
     if need_dx:  # dy [M, N] against each expert's columnwise weight [K, N]
         dx = _rows_gemm(dyr, dyrs, wc, wcs, off, g, k, n, dy.dtype, plan.blocked, False, ctx.real)
@@ -356,9 +383,9 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch
     return dx, dws
 
 
-def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tuple[torch.Tensor, ...],
-                       padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool, need_dw: bool
-                       ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor | kernels.PaddedRows,
+                       saved: tuple[torch.Tensor, ...], padded: Padded | None, wgrad_dtype: torch.dtype,
+                       need_dx: bool, need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The same gradients through the general helpers, on Operands of the saved buffers."""
     from .grouped_linear import _cast_split, _roles
 
@@ -366,7 +393,7 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, saved: tup
     qs = plan.quantizers
     *x_saved, wc, wcs = saved
     w_cols = Operands(Pack(wc, _aligned(wcs, ctx.w_layout, g), (plan.n,) * g, plan.k, ctx.w_layout, True))
-    dy_rows, dy_cols, _ = _cast_split(_roles(qs, "grad_output"), dy, splits, rowwise=need_dx, columnwise=need_dw)
+    dy_rows, dy_cols, _ = _cast_split(_roles(qs, "grad_output"), src, splits, rowwise=need_dx, columnwise=need_dw)
     dx = gg.grouped_gemm_cat(dy_rows, w_cols, dy.dtype, name="dgrad", keep=ctx.real) if need_dx else None
     dws: list[torch.Tensor | None] = [None] * g
     if need_dw:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..quant.kernels import device_ints, pad_expert_rows
+from ..quant.kernels import PaddedRows, device_ints, pad_expert_rows
 
 __all__ = ["Padded", "expert_rows", "pad_rows"]
 
@@ -43,6 +43,11 @@ class Padded(NamedTuple):
         """``t``'s rows at their padded rows, zeros between (no autograd: inside a function; one
         pass on the GPU, ``kernels.pad_expert_rows``)."""
         return pad_expert_rows(t, self.rows, self.total)
+
+    def source(self, t: torch.Tensor, real: Sequence[int]) -> PaddedRows:
+        """``t`` (the experts' ``real`` rows) as a cast's source: padded only if the cast needs the
+        padded tensor (``quant.kernels.PaddedRows``)."""
+        return PaddedRows(t, tuple(real), self.rows, self.total)
 
 
 class _PadRows(torch.autograd.Function):

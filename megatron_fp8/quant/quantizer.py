@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .formats import ScaleLayout, check_high_precision
 from .tensor import Pack, QuantizedTensor
+
+if TYPE_CHECKING:
+    from .kernels import PaddedRows
 
 
 def _grouped(group: dist.ProcessGroup | None) -> bool:
@@ -105,6 +108,13 @@ class Quantizer(abc.ABC):
     ) -> Segments | None:
         """``quantize_segments`` as the one launch leaves it: the rowwise and columnwise ``Pack``
         and each segment's kept scale (per-tensor recipes). None where no fused path applies."""
+        return None
+
+    def quantize_segments_gathered(self, src: PaddedRows, splits: Sequence[int], *, peers: Sequence[Quantizer]
+                                   ) -> Segments | None:
+        """``quantize_segments_packed`` of ``src.padded()`` (both copies; ``splits`` the padded
+        counts) without writing that padded tensor, where a kernel reads the padding as zeros
+        (``kernels.cast_gathered``); None elsewhere (the caller pads and casts)."""
         return None
 
     def casts_segments(self, x: torch.Tensor) -> bool:

@@ -170,6 +170,17 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
                                                           offsets)
         return self._segments_out(x, splits, rows, cols, inv, scale.unbind(0))
 
+    def quantize_segments_gathered(self, src: kernels.PaddedRows, splits: Sequence[int], *,
+                                   peers: Sequence[Quantizer]) -> Segments | None:
+        if _grouped(self.group) or not self._segments_apply(src.x, peers, True, True):
+            return None
+        out = kernels.cast_current_gathered(src, splits, self.fp8_dtype, power_2_scale=self.power_2_scale,
+                                            amax_epsilon=self.amax_epsilon)
+        if out is None:
+            return None
+        rows, cols, scale, inv = out
+        return self._segments_out(src.x, splits, rows, cols, inv, scale.unbind(0))  # type: ignore[union-attr]
+
 
 def fold_amax(hist: torch.Tensor, amax: torch.Tensor) -> None:
     """Fold this cast's ``amax`` into the current step's history entry (slot 0 of ``hist [..., L]``,
