@@ -652,10 +652,12 @@ def test_padding_saves_no_high_precision_copy(name: str) -> None:
             assert not high
 
 
-def test_expert_padding_saves_only_the_index() -> None:
-    """Megatron's ``ExpertPadding`` (our TE ``Fp8Padding``): the padded input's backward keeps the
-    index, not the experts' whole input."""
+def test_expert_padding_saves_only_the_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's ``ExpertPadding`` (our TE ``Fp8Padding``) padding outside the grouped linears: the
+    padded input's backward keeps the index, not the experts' whole input."""
     from megatron_fp8.megatron.experts import ExpertPadding
+
+    monkeypatch.setenv("MEGATRON_FP8_EXPERT_PADDING", "outside")
 
     x = torch.randn(153, 64, requires_grad=True)
     packed: list[torch.Tensor] = []

@@ -10,6 +10,7 @@ it patches megatron-core process-wide.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -131,15 +132,23 @@ def test_is_first_microbatch_attribute_follows_megatrons_convention() -> None:
 
 @pytest.mark.parametrize("recipe, align", [(None, 1), (Float8CurrentScaling(), 16), (DelayedScaling(), 16),
                                            (Float8BlockScaling(), 128), (MXFP8BlockScaling(), 32)])
-def test_expert_padding_round_trip(recipe: object, align: int) -> None:
+def test_expert_padding_round_trip(recipe: object, align: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MEGATRON_FP8_EXPERT_PADDING=outside``: the recipe's alignment, zero rows after each
+    expert's, dropped again; the default (``inside``) passes the tokens through (the grouped linears pad)."""
     pytest.importorskip("megatron.core")
     from megatron_fp8.megatron.experts import ExpertPadding, ExpertUnpadding, alignment
 
     assert alignment(recipe) == align  # type: ignore[arg-type]
     splits = [0, 1, 17, 128, 200]
     x = torch.randn(sum(splits), 8, requires_grad=True)
-    ctx = fp8_autocast(fp8_recipe=recipe) if recipe is not None else fp8_autocast(enabled=False)
-    with ctx:
+    def ctx() -> contextlib.AbstractContextManager:
+        return fp8_autocast(fp8_recipe=recipe) if recipe is not None else fp8_autocast(enabled=False)
+
+    with ctx():
+        same, same_splits = ExpertPadding()(x, splits)
+        assert same is x and same_splits == splits and ExpertUnpadding()(x, splits) is x
+    monkeypatch.setenv("MEGATRON_FP8_EXPERT_PADDING", "outside")
+    with ctx():
         padded, padded_splits = ExpertPadding()(x, splits)
         assert padded_splits == [-(-m // align) * align for m in splits]
         assert padded.shape[0] == sum(padded_splits)

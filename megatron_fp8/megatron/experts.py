@@ -3,20 +3,24 @@ megatron_fp8's grouped linears, made to work with ``config.fp8`` set and Transfo
 
 megatron-core's ``TEGroupedMLP`` asserts TE when ``config.fp8`` is set, because it pads each
 expert's tokens to the FP8 GEMM alignment with TE's ``Fp8Padding``. ``GroupedMLP`` builds it with
-the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding``, which pad each
-expert's rows to what the active recipe's GEMMs need (128 tokens for 1x128 block scaling, 32 for
-MXFP8; per-tensor scaling 128 on CUDA, else 16: ``layout_rows``)
-with zero rows that never leave the experts. The padding is Megatron's own contract (its forward
-calls the two objects); the zero rows add nothing to any output or gradient. The padding saves
-only its row index for backward (``ops.padding.pad_rows``; TE's saves only the splits). As Megatron does
-with TE, ``moe_act`` recompute turns ``save_original_input`` on for ``linear_fc2`` (the
-activation's consumer).
+the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding`` (Megatron's own
+contract: its forward calls the two objects). Our grouped linears pad each expert's rows to what
+the active recipe's GEMMs need themselves (``ops.grouped_linear``: 128 tokens for 1x128 block
+scaling and, on CUDA, per-tensor scaling; 32 for MXFP8), inside their casts where the CUDA tile cast
+reads the padding as zeros, and their GEMMs write only the real rows. So by default
+(``MEGATRON_FP8_EXPERT_PADDING=inside``) the two objects pass the tokens through, and the
+activation between fc1 and fc2 runs on the real rows only. ``outside`` pads there, as TE's
+``Fp8Padding`` does: zero rows appended per expert (``layout_rows``), which never leave the experts
+and add nothing to any output or gradient; the padding saves only its row index for backward
+(``ops.padding.pad_rows``; TE's saves only the splits). As Megatron does with TE, ``moe_act``
+recompute turns ``save_original_input`` on for ``linear_fc2`` (the activation's consumer).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,12 +53,25 @@ def _active_alignment(device: torch.device) -> int:
     return alignment(state.recipe if state is not None and state.enabled else None, device)
 
 
+def padding_setting() -> str:
+    """``MEGATRON_FP8_EXPERT_PADDING``: ``inside`` (the default: the grouped linears pad each expert
+    themselves, ``ExpertPadding`` passes the tokens through) or ``outside`` (``ExpertPadding``
+    pads, as Transformer Engine's ``Fp8Padding``). Anything else raises."""
+    v = os.environ.get("MEGATRON_FP8_EXPERT_PADDING", "inside").strip().lower()
+    if v not in ("inside", "outside"):
+        raise ValueError(f"MEGATRON_FP8_EXPERT_PADDING={v!r}; allowed: 'inside' (the grouped linears pad each "
+                         "expert in their casts) or 'outside' (Megatron's padding objects pad the tokens)")
+    return v
+
+
 class ExpertPadding:
     """``(x, tokens_per_expert) -> (x padded per expert, padded tokens_per_expert)``, the
     interface of TE's ``Fp8Padding`` that megatron-core's grouped experts call."""
 
     def __call__(self, x: torch.Tensor, tokens_per_expert: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         splits = [int(m) for m in tokens_per_expert]
+        if padding_setting() == "inside":  # the grouped linears pad (module docstring)
+            return x, splits
         align = _active_alignment(x.device)
         if align == 1 or all(m % align == 0 for m in splits):
             return x, splits
