@@ -191,7 +191,6 @@ def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequen
     return None
 
 
-
 def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, splits: Sequence[int],
           off: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[Any, Any, Any, Any, Any]:
     """Every expert's copies of ``t`` in one launch, as ``quantize_segments_packed`` casts them:
