@@ -157,8 +157,9 @@ def test_current_scaling_through_cuda_equals_one_launch(splits: list[int] | None
 def test_current_scaling_default_takes_cuda_only_in_capture(monkeypatch) -> None:
     """``MEGATRON_FP8_CUDA_CURRENT`` unset (``capture``): an eager current-scaling cast is the
     one-launch Triton cast (less host time) that builds the CUDA kernel for the captures to
-    come; the same cast captured in a CUDA graph goes through that kernel, and the replay gives
-    the eager cast's bits."""
+    come; the same cast captured in a CUDA graph goes through that kernel (as does
+    ``capture_step``'s warm-up, run under the capture's settings), and the replay gives the eager
+    cast's bits."""
     from megatron_fp8.quant import kernels
     from megatron_fp8.testing import capture_step
 
@@ -176,7 +177,7 @@ def test_current_scaling_default_takes_cuda_only_in_capture(monkeypatch) -> None
     assert calls == []
     assert cuda_cast._kernel.cache_info().currsize == 1, "the eager cast should have built the CUDA kernel"
     graph, captured = capture_step(run, warmup=1)
-    assert calls == [True], "the captured cast should have gone through the CUDA kernel"
+    assert calls == [True, True], "the warm-up and the captured cast should have gone through the CUDA kernel"
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(captured, eager)
