@@ -258,46 +258,46 @@ def test_padded_inside_equals_general_bitwise(monkeypatch: pytest.MonkeyPatch, r
         assert all(torch.equal(a, b) for a, b in zip(runs["1", soi], runs["1", False])), soi
 
 
+@pytest.mark.parametrize("soi", [False, True], ids=["flag-off", "flag-on"])
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])
-def test_gathered_casts_wired_as_padding_first(monkeypatch: pytest.MonkeyPatch, recipe: str) -> None:
-    """The casts that read padded experts from their unpadded rows (on the GPU the CUDA tile cast,
-    ``triton_cast.cast_segments_gathered``; here a stand-in that pads and runs the Triton segmented
-    cast, with current scaling's CUDA route switched on for gathered casts only): x's and dy's
-    copies reach the GEMMs as the padded tensors' would, on the lean and the general path, bit for
-    bit the results of padding first."""
-    from megatron_fp8.kernels import triton_cast
+def test_gathered_casts_equal_padding_first(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+    """The casts that read padded experts from their unpadded rows (``kernels.cast_gathered``: the
+    Triton cast's ``GATHER`` here, the CUDA tile cast's on the GPU for both copies; current
+    scaling's under ``MEGATRON_FP8_CUDA_CURRENT=1``, as while a graph is captured): x's and dy's
+    copies, and with ``save_original_input`` x's rowwise copy in forward and its columnwise copy in
+    backward, reach the GEMMs as the padded tensors' would, on the lean and the general path: bit
+    for bit the results of padding first."""
     from megatron_fp8.ops.grouped_linear import grouped_linear
-    from megatron_fp8.ops.padding import expert_rows
-    from megatron_fp8.quant.kernels import pad_expert_rows
+    from megatron_fp8.quant import kernels
 
-    calls: list[str] = []
+    monkeypatch.setenv("MEGATRON_FP8_CUDA_CURRENT", "1")
+    real = kernels.cast_gathered
+    calls: list[tuple[str, bool, bool]] = []
 
-    def stand_in(x, real_offsets, offsets, splits, dtype, mode, tensor_scale=None):
-        counts = torch.diff(real_offsets).tolist()
-        rows, padded = expert_rows(counts, 128, x.device)
-        assert padded == splits
-        calls.append(mode)
-        return triton_cast.cast_segments(pad_expert_rows(x, rows, sum(padded)), offsets, splits, dtype, mode, True,
-                                         True, tensor_scale)
+    def spy(src, splits, dtype, mode, tensor_scale=None, rowwise=True, columnwise=True):
+        out = real(src, splits, dtype, mode, tensor_scale, rowwise, columnwise)
+        assert out is not None
+        calls.append((mode, rowwise, columnwise))
+        return out
 
-    current_ok = triton_cast.cuda_current_ok
     splits = [5, 0, 130, 17, 1]
     runs = {}
     for lean_on, gather in itertools.product(("0", "1"), (False, True)):
         monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
-        monkeypatch.setattr(triton_cast, "cast_segments_gathered", stand_in if gather else lambda *a, **k: None)
-        monkeypatch.setattr(triton_cast, "cuda_current_ok",
-                            lambda x, d, r, c, gathered=False: gathered or current_ok(x, d, r, c))
+        monkeypatch.setattr(kernels, "cast_gathered", spy if gather else lambda *a, **k: None)
         calls.clear()
         torch.manual_seed(6)
         layer = GroupedLinear(len(splits), 256, 128, bias=True, params_dtype=torch.bfloat16)
         x = torch.randn(sum(splits), 256, dtype=torch.bfloat16, requires_grad=True)
         with mf.fp8_autocast(fp8_recipe=RECIPES[recipe]):
             qs, w_fp8 = layer.fp8_operands(None)
-            y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs, pad_to=128)
+            y = grouped_linear(x, layer.weights, layer.biases, splits, w_fp8=w_fp8, quantizers=qs, pad_to=128,
+                               save_original_input=soi)
         y.backward(torch.linspace(-1, 1, 128, dtype=torch.bfloat16).expand_as(y))
         runs[lean_on, gather] = [y.detach(), x.grad, *[w.grad for w in layer.weights], *[b.grad for b in layer.biases]]
         if gather:
-            assert calls == ["tensor" if recipe == "current" else "1x128"] * 2, (lean_on, calls)
+            mode = "tensor" if recipe == "current" else "1x128"
+            want = [(mode, True, not soi), (mode, True, True)] + ([(mode, False, True)] if soi else [])
+            assert calls == want, (lean_on, calls)
     for lean_on in ("0", "1"):
         assert all(torch.equal(a, b) for a, b in zip(runs[lean_on, True], runs[lean_on, False])), lean_on

@@ -65,3 +65,30 @@ def test_many_stacked_expert_weights() -> None:
     """Stacked experts' weights in 128x128 blocks (equal splits, as a GroupedLinear's)."""
     splits = [128] * 40
     _equal_per_expert(Block2DQuantizer(E4), _input(splits, 256), splits)
+
+
+@pytest.mark.parametrize("copies", [(True, True), (True, False), (False, True)], ids=["both", "row", "col"])
+@pytest.mark.parametrize("dtype", [E4, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", ["1x128", "tensor"])
+def test_gathered_cast_equals_the_padded_tensors(mode: str, dtype: torch.dtype, copies: tuple[bool, bool]) -> None:
+    """``triton_cast.cast_segments_gathered``: experts padded to 128 rows, read from their unpadded
+    rows (the padding as zeros, never written), == ``cast_segments`` of the padded tensor, bit for
+    bit, for every copy asked for; 43 experts (two boundary loads), empty ones and one-row ones,
+    NaN and inf inputs."""
+    from megatron_fp8.kernels.triton_cast import cast_segments, cast_segments_gathered
+    from megatron_fp8.ops.padding import expert_rows
+    from megatron_fp8.quant.kernels import aligned_copy, pad_expert_rows, segment_offsets
+
+    real = [0, *([37, 0, 1, 201] * 10), 128, 5]
+    x = _input(real, 256)
+    x[3, 7], x[40, 100], x[41, 9] = float("nan"), float("inf"), float("-inf")
+    rows, padded = expert_rows(real, 128, x.device)
+    scale = aligned_copy(torch.logspace(-2, 3, len(real), device=x.device)) if mode == "tensor" else None
+    off = segment_offsets(padded, x.device)
+    got = cast_segments_gathered(x, segment_offsets(real, x.device), off, padded, dtype, mode, scale, *copies)
+    assert got is not None
+    want = cast_segments(pad_expert_rows(x, rows, sum(padded)), off, padded, dtype, mode, *copies, scale)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.shape == w.shape and torch.equal(bits(g), bits(w))

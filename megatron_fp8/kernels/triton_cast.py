@@ -80,18 +80,28 @@ _MODES = cuda_cast.MODES  # the kernel's MODE constexpr, numbered as the CUDA ke
 
 @triton.jit
 def _cast_tile_kernel(
-    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr,
+    x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, tensor_scale_ptr, seg_ptr, src_ptr,
     part_ptr, inv_ptr, M, K, n_kb, n_mb, n_seg, n_part, S_PART,
     MODE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, SEG: tl.constexpr,
     ALIGNED: tl.constexpr, FMAX: tl.constexpr, F_EXP: tl.constexpr, F_MANT: tl.constexpr, OUT: tl.constexpr,
     T: tl.constexpr, FUSED: tl.constexpr, R_AMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-    BP: tl.constexpr,
+    BP: tl.constexpr, GATHER: tl.constexpr,
 ):
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * T + tl.arange(0, T)
     offs_k = pid_k * T + tl.arange(0, T)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
+    if GATHER:  # (ALIGNED segments, scales not computed here) experts padded to T rows, held unpadded:
+        # src_ptr holds the real counts' offsets; a row past its expert's real count reads as zero
+        g_eid = _segment_of_row(pid_m.to(tl.int64) * T, seg_ptr, n_seg)
+        g_from = tl.load(src_ptr + g_eid)
+        g_local = offs_m.to(tl.int64) - tl.load(seg_ptr + g_eid)  # the rows within their expert
+        g_real = tl.load(src_ptr + g_eid + 1) - g_from
+        g_rows = g_from + g_local
+        x = tl.load(x_ptr + g_rows[:, None] * K + offs_k[None, :],
+                    mask=(g_local[:, None] < g_real) & (offs_k[None, :] < K), other=0.0)
+    else:
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     a = _finite_abs(x)  # block amaxes: finite values only
     rows64 = offs_m.to(tl.int64)
@@ -151,11 +161,16 @@ def _cast_tile_kernel(
         # only 63 vs 87 us, row + column 112 vs 118; tensor column only 54 vs 64, but row +
         # column 79-82 vs 75, so there the FP8 tile is transposed.
         if MODE == 0:
-            xt = _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K)
+            if GATHER:
+                xt = _load_transposed(x_ptr, g_rows, g_local, offs_k, g_real, K)
+            else:
+                xt = _load_transposed(x_ptr, rows64, offs_m, offs_k, M, K)
             s_c, inv_c = _pow2_scale(tl.max(_finite_abs(xt), axis=1), F_EXP, F_MANT)  # [T]: one per column
             # scale storage [M/128, K]: a segment's blocks are its own rows of it
             tl.store(col_s_ptr + pid_m.to(tl.int64) * K + offs_k, inv_c, mask=offs_k < K)
             q = _quantize(xt, s_c[:, None], FMAX, OUT)
+        elif MODE == 2 and not DO_ROW and GATHER:  # a scalar scale, column only, padded experts
+            q = _quantize(_load_transposed(x_ptr, g_rows, g_local, offs_k, g_real, K), s_all, FMAX, OUT)
         elif MODE == 2 and not DO_ROW and (ALIGNED or not SEG):  # a scalar scale, column only
             q = _quantize(_load_transposed(x_ptr, rows64, offs_m, offs_k, M, K), s_all, FMAX, OUT)
         else:
@@ -242,37 +257,37 @@ def _outputs(m: int, k: int, dev: torch.device, fp8_dtype: torch.dtype, mode: st
 
 def cast_segments_gathered(
     x: torch.Tensor, real_offsets: torch.Tensor, offsets: torch.Tensor, splits: list[int], fp8_dtype: torch.dtype,
-    mode: str, tensor_scale: torch.Tensor | None = None,
+    mode: str, tensor_scale: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = True,
 ) -> Raw | None:
-    """``cast_segments`` (both copies; ``1x128``, or ``tensor`` with the scales given) of experts
-    zero-padded to ``splits`` (multiples of 128; ``offsets`` their prefix sums) that ``x`` holds
-    unpadded (``real_offsets``: the real counts' prefix sums), without writing the padded tensor:
-    the CUDA tile cast reads the padding as zeros (``cuda_cast.cast``'s ``gather``). Same raw
-    buffers, same bits; None where that kernel does not serve or build (the caller pads)."""
+    """``cast_segments`` (``1x128``, or ``tensor`` with the scales given) of experts zero-padded to
+    ``splits`` (multiples of 128; ``offsets`` their prefix sums) that ``x`` holds unpadded
+    (``real_offsets``: the real counts' prefix sums), without writing the padded tensor: the cast
+    reads a row past its expert's real count as zeros (the CUDA tile cast's ``gather`` where it
+    serves, both copies of BF16; else this module's kernel with ``GATHER``). Same raw buffers,
+    same bits; None for a cast this does not cover (the caller pads)."""
     total = sum(splits)
-    if mode not in ("1x128", "tensor") or not total or any(s % TILE for s in splits) or not cuda_cast.serves(
-            x, fp8_dtype, mode, True, True, True, scale_given=tensor_scale is not None, gathered=True):
+    if mode not in ("1x128", "tensor") or (mode == "tensor" and tensor_scale is None) or not total \
+            or any(s % TILE for s in splits) or not (rowwise or columnwise):
         return None
-    raw = _outputs(total, x.shape[1], x.device, fp8_dtype, mode, True, True, True)
-    if not cuda_cast.cast(x, fp8_dtype, mode, offsets, len(splits), *raw, tensor_scale, gather=(real_offsets, total)):
-        return None
-    return raw
+    return _launch(x.contiguous(), fp8_dtype, mode, rowwise, columnwise, tensor_scale, offsets, len(splits),
+                   aligned=True, gather=(real_offsets, total))
 
 
 def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, columnwise: bool,
             tensor_scale: torch.Tensor | None, offsets: torch.Tensor | None, n_seg: int, aligned: bool = False,
-            fused: _Fused | None = None,
+            fused: _Fused | None = None, gather: tuple[torch.Tensor, int] | None = None,
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented)."""
-    m, k = x.shape
+    """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented).
+    ``gather``: ``(real offsets, M)``, ``cast_segments_gathered``'s cast of ``M`` padded rows."""
+    m, k = x.shape if gather is None else (gather[1], x.shape[1])
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
     row, row_s, col, col_s = _outputs(m, k, dev, fp8_dtype, mode, rowwise, columnwise, offsets is not None)
     if cuda_cast.serves(x, fp8_dtype, mode, rowwise, columnwise, offsets is None or aligned,
-                        scale_given=fused is None and tensor_scale is not None):
+                        scale_given=fused is None and tensor_scale is not None, gathered=gather is not None):
         if mode == "128x128":  # the CUDA kernel also writes the scales transposed (cuda_cast.cast)
             col_s = torch.empty((n_mb * n_kb,), dtype=torch.float32, device=dev)
-        if cuda_cast.cast(x, fp8_dtype, mode, offsets, n_seg, row, row_s, col, col_s, tensor_scale):
+        if cuda_cast.cast(x, fp8_dtype, mode, offsets, n_seg, row, row_s, col, col_s, tensor_scale, gather):
             return row, row_s, col, col_s  # the CUDA kernel's: each tile loaded once
         col_s = None if mode == "128x128" else col_s
     fmax, f_exp, f_mant, out = _fp8_consts(fp8_dtype)
@@ -283,9 +298,12 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
 
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
-                                    POW2=fused.pow2 if fused else False, BP=1024)
+                                    POW2=fused.pow2 if fused else False, BP=1024, GATHER=gather is not None)
+    if gather is not None and (fused is not None or offsets is None or not aligned):
+        raise ValueError("triton_cast._launch: a gathered cast takes aligned segments and given scales")
     _CAST((n_mb, n_kb),
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
+        gather[0] if gather is not None else dummy,
         fused.part if fused else dummy, fused.inv if fused else dummy, m, k, n_kb, n_mb, n_seg,
         fused.part.numel() if fused else 0, fused.s if fused else 1,
         MODE=_MODES[mode], DO_ROW=rowwise, DO_COL=columnwise, SEG=offsets is not None, ALIGNED=aligned,

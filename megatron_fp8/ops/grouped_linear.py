@@ -134,12 +134,12 @@ def _cast_split(
     """
     n = len(m_splits)
     if isinstance(t, PaddedRows):
-        gathered = None
-        if rowwise and columnwise and scales is None:
-            gathered = quantizers[0].quantize_segments_gathered(t, m_splits, peers=quantizers)
+        gathered = quantizers[0].quantize_segments_gathered(t, m_splits, peers=quantizers, rowwise=rowwise,
+                                                            columnwise=columnwise, scales=scales)
         if gathered is not None:
-            assert gathered.rows is not None and gathered.cols is not None
-            return (Operands(gathered.rows), Operands(gathered.cols),  # type: ignore[return-value]
+            none: list[Operand | None] = [None] * n
+            return (Operands(gathered.rows) if gathered.rows is not None else none,  # type: ignore[return-value]
+                    Operands(gathered.cols) if gathered.cols is not None else none,
                     list(gathered.scales) if gathered.scales is not None else [None] * n)
         t = t.padded()
     seg = quantizers[0].quantize_segments_packed(t, m_splits, peers=quantizers, rowwise=rowwise,
@@ -387,10 +387,9 @@ def _saved_x_columnwise(ctx: Any, orig: Sequence[torch.Tensor], scales: Sequence
     if not args.save_original_input:
         return _unstash(x_saved, ctx.x_meta)
     (x,) = orig
-    if padded is not None:
-        x = padded.pad(x)
+    src = padded.source(x, args.real_splits) if padded is not None and args.real_splits else x
     inputs = _roles(args.quantizers, "input")
-    _, cols, _ = _cast_split(inputs, x, args.m_splits, rowwise=False, columnwise=True,
+    _, cols, _ = _cast_split(inputs, src, args.m_splits, rowwise=False, columnwise=True,
                              scales=list(scales) if scales else None)
     return cols  # type: ignore[return-value]
 

@@ -174,17 +174,17 @@ def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
 
 
 # ---- the steps' routes ------------------------------------------------------------------------
-def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequence[int]
-              ) -> tuple[Any, Any, Any, Any, Any] | None:
-    """``_cast``'s both copies of padded experts read from their unpadded rows, where the casts of
-    the plan's kind do that here (blocks; current scaling where its casts take the CUDA tile cast),
-    else None."""
+def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequence[int], rowwise: bool,
+              columnwise: bool) -> tuple[Any, Any, Any, Any, Any] | None:
+    """``_cast``'s copies of padded experts read from their unpadded rows, where the casts of the
+    plan's kind do that here (blocks; current scaling where its casts run as amax, scale and cast
+    launches: ``kernels.cast_current_gathered``), else None."""
     if plan.blocked:
-        raw = kernels.cast_gathered(src, splits, q.fp8_dtype, "1x128")
+        raw = kernels.cast_gathered(src, splits, q.fp8_dtype, "1x128", None, rowwise, columnwise)
         return (*raw, None) if raw is not None else None
     if plan.kind == "current":
-        out = kernels.cast_current_gathered(src, splits, q.fp8_dtype, power_2_scale=q.power_2_scale,
-                                            amax_epsilon=q.amax_epsilon)
+        out = kernels.cast_current_gathered(src, splits, q.fp8_dtype, rowwise, columnwise,
+                                            power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon)
         if out is not None:
             row, col, scale, inv = out
             return row, inv, col, inv, scale
@@ -201,7 +201,7 @@ def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, sp
     (``kernels.cast_gathered``), else padded first."""
     q = getattr(plan.quantizers[0], role)
     if isinstance(t, kernels.PaddedRows):
-        got = _gathered(plan, q, t, splits) if rowwise and columnwise else None
+        got = _gathered(plan, q, t, splits, rowwise, columnwise)
         if got is not None:
             return got
         t = t.padded()
@@ -361,7 +361,19 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor 
     if need_dw:
         from ..kernels import triton_grouped
 
-        if plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
+        got = None
+        if plan.soi and padded is not None:  # x's columnwise copies from its unpadded rows, where the cast can
+            src = padded.source(x_saved[0], ctx.real)
+            if plan.blocked:
+                got = kernels.cast_gathered(src, splits, q_in.fp8_dtype, "1x128", None, False, True)
+            else:
+                scale = _aligned(x_saved[1], q_in.layout, g)
+                got = kernels.cast_gathered(src, splits, q_in.fp8_dtype, "tensor", scale, False, True)
+                if got is not None:
+                    got = (*got[:3], kernels.aligned_reciprocal(scale))
+        if got is not None:
+            xc, xcs = got[2], got[3]
+        elif plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
             x = x_saved[0] if padded is None else padded.pad(x_saved[0])
             if plan.blocked:
                 from ..kernels import triton_cast
@@ -398,7 +410,7 @@ def _general_gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch
     if need_dw:
         if plan.soi:
             scales = list(x_saved[1].unbind(0)) if len(x_saved) > 1 else None
-            x = x_saved[0] if padded is None else padded.pad(x_saved[0])
+            x = x_saved[0] if padded is None else padded.source(x_saved[0], ctx.real)
             _, x_cols, _ = _cast_split(_roles(qs, "input"), x, splits, rowwise=False, columnwise=True, scales=scales)
         else:
             layout = qs[0].input.layout

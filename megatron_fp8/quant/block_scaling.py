@@ -77,12 +77,13 @@ class _DeepSeekBlockQuantizer(_BlockQuantizer):
         return Segments(*self._packs(x, splits, *raw), None) if raw is not None else None
 
     def quantize_segments_gathered(self, src: kernels.PaddedRows, splits: Sequence[int], *,
-                                   peers: Sequence[Quantizer]) -> Segments | None:
+                                   peers: Sequence[Quantizer], rowwise: bool, columnwise: bool,
+                                   scales: Sequence[torch.Tensor | None] | None = None) -> Segments | None:
         x = src.x
         if (self.layout is not ScaleLayout.BLOCK_1x128 or not self._peers_match(peers)
                 or not kernels.block_segments_fused(x, self.block, self.power_2_scale, self.amax_epsilon)):
             return None
-        raw = kernels.cast_gathered(src, splits, self.fp8_dtype, "1x128")
+        raw = kernels.cast_gathered(src, splits, self.fp8_dtype, "1x128", None, rowwise, columnwise)
         return Segments(*self._packs(x, splits, *raw), None) if raw is not None else None
 
 

@@ -96,36 +96,45 @@ class PaddedRows(NamedTuple):
 
 
 def cast_gathered(src: PaddedRows, splits: Sequence[int], dtype: torch.dtype, mode: str,
-                  tensor_scale: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...] | None:
-    """Both copies of ``src``'s experts padded to ``splits`` (multiples of 128), as
+                  tensor_scale: torch.Tensor | None = None, rowwise: bool = True, columnwise: bool = True
+                  ) -> tuple[torch.Tensor | None, ...] | None:
+    """The copies of ``src``'s experts padded to ``splits`` (multiples of 128), as
     ``triton_cast.cast_segments`` casts the padded tensor, read from the unpadded rows
-    (``triton_cast.cast_segments_gathered``: the CUDA tile cast; ``1x128``, or ``tensor`` with the
-    scales given): the raw ``(row, row_s, col, col_s)``, or None where that does not serve (the
-    caller pads, ``src.padded()``, and casts that). Measured on an H100 (run AI): padding x
-    before its cast took 99 us of a ~1.4 ms graphed router step, dy's 49."""
+    (``triton_cast.cast_segments_gathered``: ``1x128``, or ``tensor`` with the scales given): the
+    raw ``(row, row_s, col, col_s)``, or None where that does not serve (the caller pads,
+    ``src.padded()``, and casts that). Measured on an H100 (run AI): padding x before its cast took
+    99 us of a ~1.4 ms graphed router step, dy's 49."""
     x = src.x
-    if not _triton_here(x) or len(splits) != len(src.real):
+    if not (_triton_here(x) and x.numel() and segments_fused(x, columnwise)) or len(splits) != len(src.real):
         return None
-    return _triton().cast_segments_gathered(x, segment_offsets(src.real, x.device), segment_offsets(splits, x.device),
-                                            list(splits), dtype, mode, tensor_scale)
+    return _gathered_guard(lambda: _triton().cast_segments_gathered(
+        x, segment_offsets(src.real, x.device), segment_offsets(splits, x.device), list(splits), dtype, mode,
+        tensor_scale, rowwise, columnwise))
 
 
-def cast_current_gathered(src: PaddedRows, splits: Sequence[int], dtype: torch.dtype, *, power_2_scale: bool,
-                          amax_epsilon: float) -> tuple[torch.Tensor | None, ...] | None:
+def cast_current_gathered(src: PaddedRows, splits: Sequence[int], dtype: torch.dtype, rowwise: bool,
+                          columnwise: bool, *, power_2_scale: bool, amax_epsilon: float
+                          ) -> tuple[torch.Tensor | None, ...] | None:
     """Current scaling's ``cast_current_segments`` of ``src``'s experts padded to ``splits``,
-    without the padded tensor, where its casts run as amax and scale launches and the CUDA tile
-    cast (``triton_cast.cuda_current_ok``: by default while a CUDA graph is captured): each expert's
-    amax over its real rows (the padding's zeros change no amax), then ``cast_gathered`` with those
-    scales. ``(row, col, scale [E], 1/scale [E])``, or None (the caller pads and casts)."""
+    without the padded tensor, where its casts run as amax and scale launches, then the cast with
+    the scales given (``cuda_cast.current_enabled``: by default while a CUDA graph is captured;
+    eagerly the one-launch cast of the padded tensor costs the host less): each expert's amax over
+    its real rows (the padding's zeros change no amax), then ``cast_gathered`` with those scales.
+    ``(row, col, scale [E], 1/scale [E])``, or None (the caller pads and casts)."""
     x = src.x
     if not (_triton_here(x) and x.numel() and len(splits) == len(src.real)) or any(m % 128 for m in splits):
         return None
-    if not _triton().cuda_current_ok(x, dtype, True, True, gathered=True):
+    from ..kernels import cuda_cast
+
+    if not cuda_cast.current_enabled():
+        if cuda_cast.current_setting() == "capture" and cuda_cast.serves(x, dtype, "tensor", True, True, True,
+                                                                          gathered=True):
+            cuda_cast.prebuild("tensor", dtype, x.device, True)  # built now, for the captures to come
         return None
     _, scale, inv = _scales().amax_and_scale(x.contiguous(), dtype, offsets=segment_offsets(src.real, x.device),
                                              n_seg=len(splits), power_2_scale=power_2_scale,
                                              amax_epsilon=amax_epsilon)
-    raw = cast_gathered(src, splits, dtype, "tensor", scale)
+    raw = cast_gathered(src, splits, dtype, "tensor", scale, rowwise, columnwise)
     if raw is None:
         return None
     return raw[0], raw[2], scale, inv
@@ -418,6 +427,8 @@ class _KernelGuard:
             return None
 
 
+# the experts' casts that read the padding as zeros (cast_gathered) over padding first
+_gathered_guard = _KernelGuard("gathered expert cast", "padding the experts' rows first")
 # the fused current-scaling cast (scale computed in the cast) over amax, scale and cast launches;
 # the one-launch (persistent) cast over the fused one
 _fused_current = _KernelGuard("fused current-scaling cast", "amax, scale and cast launches")

@@ -110,10 +110,11 @@ class Quantizer(abc.ABC):
         and each segment's kept scale (per-tensor recipes). None where no fused path applies."""
         return None
 
-    def quantize_segments_gathered(self, src: PaddedRows, splits: Sequence[int], *, peers: Sequence[Quantizer]
-                                   ) -> Segments | None:
-        """``quantize_segments_packed`` of ``src.padded()`` (both copies; ``splits`` the padded
-        counts) without writing that padded tensor, where a kernel reads the padding as zeros
+    def quantize_segments_gathered(self, src: PaddedRows, splits: Sequence[int], *, peers: Sequence[Quantizer],
+                                   rowwise: bool, columnwise: bool,
+                                   scales: Sequence[torch.Tensor | None] | None = None) -> Segments | None:
+        """``quantize_segments_packed`` of ``src.padded()`` (``splits`` the padded counts) without
+        writing that padded tensor, where a kernel reads the padding as zeros
         (``kernels.cast_gathered``); None elsewhere (the caller pads and casts)."""
         return None
 

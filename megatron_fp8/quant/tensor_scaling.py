@@ -59,7 +59,8 @@ class _PerTensorQuantizer(Quantizer):
         16 bytes apart), and the scales each segment keeps (``kept``)."""
         return Segments(*self._packs(x, splits, rows, inv, cols, inv), kept)
 
-    def _cast_segments_scaled(self, x: torch.Tensor, splits: Sequence[int], scales: Sequence[torch.Tensor],
+    def _cast_segments_scaled(self, x: torch.Tensor | kernels.PaddedRows, splits: Sequence[int],
+                              scales: Sequence[torch.Tensor],
                               rowwise: bool, columnwise: bool, offsets: torch.Tensor | None = None,
                               kept: Sequence[torch.Tensor] | None = None) -> Segments:
         """Every segment cast in one launch with its given scale; each QuantizedTensor keeps
@@ -75,10 +76,16 @@ class _PerTensorQuantizer(Quantizer):
         return self._cast_laid_out(x, splits, scale, inv, rowwise, columnwise, offsets,
                                    list(kept) if kept is not None else scale.unbind(0))
 
-    def _cast_laid_out(self, x: torch.Tensor, splits: Sequence[int], scale: torch.Tensor, inv: torch.Tensor,
-                       rowwise: bool, columnwise: bool, offsets: torch.Tensor | None,
+    def _cast_laid_out(self, x: torch.Tensor | kernels.PaddedRows, splits: Sequence[int], scale: torch.Tensor,
+                       inv: torch.Tensor, rowwise: bool, columnwise: bool, offsets: torch.Tensor | None,
                        kept: Sequence[torch.Tensor]) -> Segments:
-        """Every segment cast in one launch with ``scale [E]`` / ``inv [E]`` (16 bytes apart)."""
+        """Every segment cast in one launch with ``scale [E]`` / ``inv [E]`` (16 bytes apart); ``x``
+        a ``PaddedRows``: its experts as padded to ``splits``, read unpadded where the cast can."""
+        if isinstance(x, kernels.PaddedRows):
+            raw = kernels.cast_gathered(x, splits, self.fp8_dtype, "tensor", scale, rowwise, columnwise)
+            if raw is not None:
+                return self._segments_out(x.x, splits, raw[0], raw[2], inv, kept)
+            x = x.padded()
         rows, cols = kernels.cast_tensorwise_segments(x, splits, scale, self.fp8_dtype, rowwise, columnwise, offsets)
         return self._segments_out(x, splits, rows, cols, inv, kept)
 
@@ -171,11 +178,14 @@ class CurrentScalingQuantizer(_PerTensorQuantizer):
         return self._segments_out(x, splits, rows, cols, inv, scale.unbind(0))
 
     def quantize_segments_gathered(self, src: kernels.PaddedRows, splits: Sequence[int], *,
-                                   peers: Sequence[Quantizer]) -> Segments | None:
-        if _grouped(self.group) or not self._segments_apply(src.x, peers, True, True):
+                                   peers: Sequence[Quantizer], rowwise: bool, columnwise: bool,
+                                   scales: Sequence[torch.Tensor | None] | None = None) -> Segments | None:
+        if _grouped(self.group) or not self._segments_apply(src.x, peers, rowwise, columnwise):
             return None
-        out = kernels.cast_current_gathered(src, splits, self.fp8_dtype, power_2_scale=self.power_2_scale,
-                                            amax_epsilon=self.amax_epsilon)
+        if scales is not None:  # the forward's scales, reused (the flag's backward)
+            return self._cast_segments_scaled(src, splits, scales, rowwise, columnwise)  # type: ignore[arg-type]
+        out = kernels.cast_current_gathered(src, splits, self.fp8_dtype, rowwise, columnwise,
+                                            power_2_scale=self.power_2_scale, amax_epsilon=self.amax_epsilon)
         if out is None:
             return None
         rows, cols, scale, inv = out

@@ -32,7 +32,8 @@ from megatron_fp8.kernels import triton_grouped as tg
 from megatron_fp8.kernels import triton_persistent as tp
 
 _CAST_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("row_s_ptr", "*fp32"), ("col_ptr", "*fp8e4nv"),
-              ("col_s_ptr", "*fp32"), ("tensor_scale_ptr", "*fp32"), ("seg_ptr", "*i32"), ("part_ptr", "*i32"),
+              ("col_s_ptr", "*fp32"), ("tensor_scale_ptr", "*fp32"), ("seg_ptr", "*i32"), ("src_ptr", "*i64"),
+              ("part_ptr", "*i32"),
               ("inv_ptr", "*fp32")] + [(n, "i32") for n in ("M", "K", "n_kb", "n_mb", "n_seg", "n_part", "S_PART")]
 _PERSISTENT_ARGS = [("x_ptr", "*bf16"), ("row_ptr", "*fp8e4nv"), ("col_ptr", "*fp8e4nv"), ("scale_ptr", "*fp32"),
                     ("inv_ptr", "*fp32"), ("seg_ptr", "*i64"), ("sync_ptr", "*i32")] + [
@@ -47,7 +48,7 @@ _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), 
 def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool = True) -> dict[str, Any]:
     return dict(MODE=tc._MODES[mode], DO_ROW=row, DO_COL=col, SEG=seg, ALIGNED=seg, FMAX=448.0, F_EXP=8, F_MANT=3,
                 OUT=tl.float8e4nv, T=tc.TILE, FUSED=fused and mode == "tensor", R_AMAX=16, EPS=0.0, POW2=False,
-                BP=1024)
+                BP=1024, GATHER=False)
 
 
 def _persistent_case(row: bool, col: bool, seg: bool) -> dict[str, Any]:
