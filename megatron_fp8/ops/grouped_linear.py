@@ -340,8 +340,9 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
 
 def _forward_fp8(ctx: Any, x: torch.Tensor, args: GroupedArgs, padded: Padded | None) -> torch.Tensor:
     """Cast x (rowwise; columnwise too unless ``save_original_input``), fprop per expert, save.
-    ``padded``: the experts' rows are padded here and the output's padding dropped; the
-    original ``x`` is what ``save_original_input`` saves (the caller's tensor, not a copy)."""
+    ``padded``: the experts' rows are padded for the casts (read as zeros where the cast can) and
+    the fprop GEMMs write only the real rows; the original ``x`` is what ``save_original_input``
+    saves (the caller's tensor, not a copy)."""
     assert args.quantizers is not None and args.w_fp8 is not None
     soi, x_in = args.save_original_input, x
     src = padded.source(x, args.real_splits) if padded is not None and args.real_splits else x
