@@ -346,20 +346,17 @@ def cast_current(
     return raw[0], raw[2], scale, inv
 
 
-def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool,
-                    gathered: bool = False) -> bool:
+def cuda_current_ok(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> bool:
     """Whether current scaling's cast of ``x`` (segments aligned to 128 rows, as
-    ``kernels.cast_current_segments`` ensures; ``gathered``: ``x`` the unpadded rows of experts the
-    cast pads, ``kernels.cast_current_gathered``) goes as amax, scale and the CUDA tile cast
+    ``kernels.cast_current_segments`` ensures) goes as amax, scale and the CUDA tile cast
     (``cast_current(..., scales_first=True)``; ``cuda_cast.current_enabled``). Where it does not
     only because no graph is being captured, the kernel is built now, for the captures to come."""
-    if not (x.numel() > 0 and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True,
-                                               gathered=gathered)):
+    if not (x.numel() > 0 and cuda_cast.serves(x, fp8_dtype, "tensor", rowwise, columnwise, aligned=True)):
         return False
     if cuda_cast.current_enabled():
         return True
     if cuda_cast.current_setting() == "capture":
-        cuda_cast.prebuild("tensor", fp8_dtype, x.device, gathered)
+        cuda_cast.prebuild("tensor", fp8_dtype, x.device)
     return False
 
 

@@ -361,28 +361,19 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor 
     if need_dw:
         from ..kernels import triton_grouped
 
-        got = None
-        if plan.soi and padded is not None:  # x's columnwise copies from its unpadded rows, where the cast can
-            src = padded.source(x_saved[0], ctx.real)
-            if plan.blocked:
-                got = kernels.cast_gathered(src, splits, q_in.fp8_dtype, "1x128", None, False, True)
-            else:
-                scale = _aligned(x_saved[1], q_in.layout, g)
-                got = kernels.cast_gathered(src, splits, q_in.fp8_dtype, "tensor", scale, False, True)
-                if got is not None:
-                    got = (*got[:3], kernels.aligned_reciprocal(scale))
-        if got is not None:
-            xc, xcs = got[2], got[3]
-        elif plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
-            x = x_saved[0] if padded is None else padded.pad(x_saved[0])
-            if plan.blocked:
-                from ..kernels import triton_cast
+        if plan.soi:  # x's columnwise copies, cast now with the forward's scales (no amax recorded)
+            from ..kernels import triton_cast
 
-                _, _, xc, xcs = triton_cast.cast_segments(x, off, list(splits), q_in.fp8_dtype, "1x128", False, True)
-            else:
-                scale = x_saved[1]
-                xcs = kernels.aligned_reciprocal(scale)
-                _, xc = kernels.cast_tensorwise_segments(x, splits, scale, q_in.fp8_dtype, False, True)
+            mode = "1x128" if plan.blocked else "tensor"
+            scale = None if plan.blocked else _aligned(x_saved[1], q_in.layout, g)
+            raw = None  # from x's unpadded rows where the cast can, else from x padded first
+            if padded is not None:
+                raw = kernels.cast_gathered(padded.source(x_saved[0], ctx.real), splits, q_in.fp8_dtype, mode, scale,
+                                            False, True)
+            if raw is None:
+                x = x_saved[0] if padded is None else padded.pad(x_saved[0])
+                raw = triton_cast.cast_segments(x, off, list(splits), q_in.fp8_dtype, mode, False, True, scale)
+            xc, xcs = raw[2], (raw[3] if plan.blocked else kernels.aligned_reciprocal(scale))
         else:
             xc, xcs = x_saved[0], _aligned(x_saved[1], q_in.layout, g)
         dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked)
