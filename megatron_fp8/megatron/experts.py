@@ -6,8 +6,8 @@ expert's tokens to the FP8 GEMM alignment with TE's ``Fp8Padding``. ``GroupedMLP
 the FP8 fields hidden, then gives it ``ExpertPadding`` / ``ExpertUnpadding`` (Megatron's own
 contract: its forward calls the two objects). Our grouped linears pad each expert's rows to what
 the active recipe's GEMMs need themselves (``ops.grouped_linear``: 128 tokens for 1x128 block
-scaling and, on CUDA, per-tensor scaling; 32 for MXFP8), inside their casts where the CUDA tile cast
-reads the padding as zeros, and their GEMMs write only the real rows. So by default
+scaling and, on CUDA, per-tensor scaling; 32 for MXFP8), inside their casts where those read the
+padding as zeros (``quant.kernels.cast_gathered``), and their GEMMs write only the real rows. So by default
 (``MEGATRON_FP8_EXPERT_PADDING=inside``) the two objects pass the tokens through, and the
 activation between fc1 and fc2 runs on the real rows only. ``outside`` pads there, as TE's
 ``Fp8Padding`` does: zero rows appended per expert (``layout_rows``), which never leave the experts

@@ -105,7 +105,7 @@ def cast_gathered(src: PaddedRows, splits: Sequence[int], dtype: torch.dtype, mo
     ``src.padded()``, and casts that). Measured on an H100 (run AI): padding x before its cast took
     99 us of a ~1.4 ms graphed router step, dy's 49."""
     x = src.x
-    if not (_triton_here(x) and x.numel() and segments_fused(x, columnwise)) or len(splits) != len(src.real):
+    if not (x.numel() and segments_fused(x, columnwise)) or len(splits) != len(src.real):
         return None
     return _gathered_guard(lambda: _triton().cast_segments_gathered(
         x, segment_offsets(src.real, x.device), segment_offsets(splits, x.device), list(splits), dtype, mode,
