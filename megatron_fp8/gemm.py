@@ -13,6 +13,9 @@ wgrad       ``dw = dy.T @ x``      dy columnwise ``[N, M]``         x columnwise
 so ``gemm(a, b) = a @ b.T`` with both operands' last dim contracted. The backend is chosen per
 call: ``native`` (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``) where the device runs
 that pair of scale layouts, else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
+Per-tensor-scaled GEMMs on CUDA call cuBLASLt directly (``kernels.cublaslt``: the question torch
+asks it, answered once per problem; ``MEGATRON_FP8_TENSOR_GEMM=torch`` sends them to torch), and
+``accumulate`` adds a wgrad into Megatron's FP32 ``main_grad`` in such a GEMM's epilogue.
 Block-scaled GEMMs with an E5M2 operand (HYBRID gradients), which torch refuses, run natively on
 cuBLASLt called directly (``kernels.cublaslt``) or on our Triton GEMM, recorded as
 ``name[cublaslt]`` / ``name[triton]``. ``force_backend`` pins one; ``record_gemms`` lists what
@@ -184,6 +187,12 @@ def record_gemms() -> Iterator[list[GemmCall]]:
         _state.records.remove(calls)
 
 
+def cublaslt_scale(op: Operand) -> torch.Tensor:
+    """``scale_inv`` as cuBLAS takes it: the per-tensor scalar as it is, block scales as
+    ``_block_scale_layout`` lays them out."""
+    return op.scale_inv if op.layout is L.TENSOR else _block_scale_layout(op)
+
+
 def _block_scale_layout(op: Operand) -> torch.Tensor:
     """``scale_inv`` as ``scaled_mm`` wants it on SM90 (outer-dim-major; 128x128 K-padded to 4)."""
     s = op.scale_inv
@@ -210,6 +219,9 @@ def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool,
         return out.copy_(_native(a, b, out_dtype, fast_accum))
     where = {} if out is None else {"out": out}
     if a.layout is L.TENSOR:
+        y = _cublaslt(a, b, out_dtype, out, fast_accum)  # the default on CUDA: MEGATRON_FP8_TENSOR_GEMM
+        if y is not None:
+            return y
         return torch._scaled_mm(
             a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
             use_fast_accum=fast_accum, **where,
@@ -326,6 +338,26 @@ def gemm(
     return _into(out, emulate(a, b, out_dtype))
 
 
+def accumulate(a: Operand, b: Operand, into: torch.Tensor, *, name: str = "wgrad") -> bool:
+    """``into += a @ b.T`` in the GEMM's epilogue (beta = 1; ``into`` an FP32 ``[m, n]``, e.g. a
+    weight's ``main_grad``): Megatron's gradient-accumulation fusion without a separate add.
+    Where cuBLASLt called directly serves the GEMM natively (``kernels.cublaslt.serves``; per-tensor
+    scales by default) and ``into`` is contiguous and 256-byte aligned; False, with nothing done,
+    elsewhere (the caller computes the GEMM and adds)."""
+    (m, k), (n, _) = a.shape, b.shape
+    if (into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous() or not (m and n and k)
+            or into.data_ptr() % cublaslt.ALIGN):
+        return False
+    backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
+    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32):
+        return False
+    if not cublaslt.matmul(a.data, cublaslt_scale(a), a.layout, b.data, cublaslt_scale(b), b.layout, into,
+                           accumulate=True):
+        return False
+    record(name, backend, (a.layout, b.layout), (m, n, k))
+    return True
+
+
 # ---- HYBRID block scaling: E5M2 gradients with 1x128 / 128x128 scales ----
 def _e5m2_blocks(a: Operand, b: Operand) -> bool:
     return a.layout in (L.BLOCK_1x128, L.BLOCK_128x128) and torch.float8_e5m2 in (a.data.dtype, b.data.dtype)
@@ -350,7 +382,8 @@ def _hybrid_blocks(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: b
     return None
 
 
-def _cublaslt(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor | None:
+def _cublaslt(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor | None,
+              fast_accum: bool = False) -> torch.Tensor | None:
     """``a @ b.T`` on cuBLASLt called directly (``kernels.cublaslt``) where it serves the GEMM,
     written into ``out`` where given (computed aside and copied in when ``out`` is not 256-byte
     aligned); None where it does not serve it (nothing launched)."""
@@ -358,7 +391,7 @@ def _cublaslt(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Tensor 
         return None
     aligned = out is not None and out.data_ptr() % cublaslt.ALIGN == 0
     y = out if aligned else torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
-    if not cublaslt.matmul(a.data, _block_scale_layout(a), a.layout, b.data, _block_scale_layout(b), b.layout, y):
+    if not cublaslt.matmul(a.data, cublaslt_scale(a), a.layout, b.data, cublaslt_scale(b), b.layout, y, fast_accum):
         return None
     return y if aligned or out is None else _into(out, y)
 

@@ -78,6 +78,7 @@ class Variant:
     fmt: str = "hybrid"  # Megatron's --fp8-format (hybrid: E5M2 gradients, what Megatron users pass)
     general: bool = False  # MEGATRON_FP8_LEAN=0: our layers without the lean eager path (ops/lean.py)
     graphs: bool = False  # MEGATRON_FP8_GRAPHS=1: our FP8 linears replay per-layer CUDA graphs (ops/graphed.py)
+    fused: bool = False  # MEGATRON_FP8_WGRAD_FUSION=on: our linears add their wgrad into main_grad (no apex needed)
 
 
 def variants(names: list[str] | None) -> list[Variant]:
@@ -87,6 +88,8 @@ def variants(names: list[str] | None) -> list[Variant]:
     all_.append(Variant("ours-blockwise-e4m3", True, "blockwise", fmt="e4m3"))  # the E5M2 GEMMs' share, apart
     all_ += [Variant(f"ours-{r}-general", True, r, general=True) for r in RECIPES]  # what the lean path buys
     all_ += [Variant(f"ours-{r}-graphs", True, r, graphs=True) for r in RECIPES if r != "delayed"]  # opt-in graphs
+    # gradient-accumulation fusion in our linears only (Megatron's own layers would need apex for it)
+    all_ += [Variant(f"ours-{r}-fused", True, r, fused=True) for r in RECIPES if r != "delayed"]
     return [v for v in all_ if names is None or v.name in names]
 
 
@@ -143,6 +146,9 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     env.pop("MEGATRON_FP8_CONFIG", None)
     env.pop("MEGATRON_FP8_LEAN", None)
     env.pop("MEGATRON_FP8_GRAPHS", None)
+    env.pop("MEGATRON_FP8_WGRAD_FUSION", None)
+    if v.fused:
+        env["MEGATRON_FP8_WGRAD_FUSION"] = "on"
     if v.general:
         env["MEGATRON_FP8_LEAN"] = "0"
     if v.graphs:

@@ -98,6 +98,20 @@ def test_general_path_variants_turn_the_lean_path_off(monkeypatch) -> None:
         assert cmd[cmd.index("--fp8-recipe") + 1] == name.split("-")[1]
 
 
+def test_fused_variants_turn_our_wgrad_fusion_on(monkeypatch) -> None:
+    """``ours-<recipe>-fused`` adds our linears' wgrads into ``main_grad`` (MEGATRON_FP8_WGRAD_FUSION=on)
+    while Megatron's own layers keep ``--no-gradient-accumulation-fusion`` (no apex here); every
+    other variant runs without the setting, whatever the caller's environment says."""
+    import argparse
+
+    monkeypatch.setenv("MEGATRON_FP8_WGRAD_FUSION", "on")
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2)
+    for name in ("ours-tensorwise", "ours-tensorwise-fused", "ours-blockwise-fused"):
+        cmd, env = bm._command(args, "dense-8b", bm.variants([name])[0], "")
+        assert env.get("MEGATRON_FP8_WGRAD_FUSION") == ("on" if name.endswith("-fused") else None)
+        assert "--no-gradient-accumulation-fusion" in cmd
+
+
 def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:
     """``--fusions megatron`` leaves the SwiGLU and bias-dropout-add fusions on (Megatron's
     default), ``off`` turns them off too; those needing apex or TE are off either way, in both specs."""

@@ -1,5 +1,9 @@
 """cuBLASLt called directly for HYBRID block GEMMs (E5M2 gradients with 1x128 / 128x128 scales,
-which torch's ``scaled_mm`` refuses): skip without CUDA; run on the device machine.
+which torch's ``scaled_mm`` refuses) and for per-tensor-scaled GEMMs (the default on CUDA, and
+the wgrad added into ``main_grad`` in its epilogue): skip without CUDA; run on the device machine.
+
+Per-tensor GEMMs must give torch's ``_scaled_mm`` bit for bit (every operand dtype pair, output
+dtype and fast-accumulation setting the linears use).
 
 The plumbing (operand order, scale modes and pointers, layouts) is checked where a yardstick is
 bitwise: with two E4M3 operands our call must give torch's block GEMM bit for bit (the same
@@ -25,7 +29,7 @@ from megatron_fp8 import gemm as core
 from megatron_fp8.kernels import cublaslt
 from megatron_fp8.quant import make_quantizer
 from megatron_fp8.quant.formats import ScaleLayout
-from megatron_fp8.recipe import Float8BlockScaling, Format, TensorRole
+from megatron_fp8.recipe import Float8BlockScaling, Float8CurrentScaling, Format, TensorRole
 from megatron_fp8.testing import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -71,7 +75,7 @@ def _direct_vs_torch(gemm_name: str) -> tuple[bool, float]:
 def _defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     """The package's default paths, whatever the calling environment sets."""
     for var in ("MEGATRON_FP8_HYBRID_GEMM", "MEGATRON_FP8_BLOCK_GEMM", "MEGATRON_FP8_STRICT",
-                "MEGATRON_FP8_GEMM_BACKEND"):
+                "MEGATRON_FP8_GEMM_BACKEND", "MEGATRON_FP8_TENSOR_GEMM", "MEGATRON_FP8_LEAN"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -273,3 +277,91 @@ def test_e4m3_block_linear_on_cublaslt_agrees_with_torch(monkeypatch: pytest.Mon
         assert len(calls) == (3 if choice == "cublaslt" else 0), calls
     for one, two in zip(*results):
         assert torch.equal(one, two) or _rel(one, two) < 2e-3
+
+
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _tensor_operands(m: int, n: int, k: int, da: str, db: str) -> tuple[torch.Tensor, ...]:
+    a = (torch.randn(m, k, device="cuda") * 2).to(_FP8[da])
+    b = (torch.randn(n, k, device="cuda") * 2).to(_FP8[db])
+    return a, torch.tensor(0.75, device="cuda"), b, torch.tensor(1.25, device="cuda")
+
+
+@pytest.mark.parametrize("fast_accum", [True, False], ids=["fast", "exact"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("pair", ["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"])
+def test_tensorwise_direct_call_is_torchs(pair: str, out_dtype: torch.dtype, fast_accum: bool) -> None:
+    """Per-tensor scales: our direct call gives torch's ``_scaled_mm`` bit for bit (the question
+    torch asks cuBLASLt, with the same workspace size), at a linear's shapes and a small one."""
+    torch.manual_seed(0)
+    for m, n, k in ((256, 2048, 2048), (4096, 1024, 512), (48, 16, 32)):
+        a, sa, b, sb = _tensor_operands(m, n, k, *pair.split("-"))
+        assert cublaslt.serves(a, L.TENSOR, b, L.TENSOR, out_dtype)
+        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        out = torch.full_like(ref, float("nan"))
+        assert cublaslt.matmul(a, sa, L.TENSOR, b, sb, L.TENSOR, out, fast_accum)
+        assert torch.equal(out, ref), (m, n, k, _rel(out, ref))
+
+
+def test_tensorwise_accumulate_adds_into_fp32() -> None:
+    """``gemm.accumulate``: ``into += a @ b.T`` in the epilogue (beta = 1), within FP32 rounding of
+    adding torch's FP32 GEMM; declined (nothing written) for a BF16 or misaligned buffer."""
+    torch.manual_seed(1)
+    a, sa, b, sb = _tensor_operands(1024, 2048, 512, "e5m2", "e4m3")
+    opa, opb = core.Operand(a, sa, L.TENSOR), core.Operand(b, sb, L.TENSOR)
+    base = torch.randn(1024, 2048, device="cuda")
+    want = base + torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    got = base.clone()
+    with core.record_gemms() as calls:
+        assert core.accumulate(opa, opb, got)
+    assert [c.name for c in calls] == ["wgrad"]
+    assert _rel(got, want) < 1e-6, _rel(got, want)
+    bf16 = base.to(torch.bfloat16)
+    assert not core.accumulate(opa, opb, bf16) and torch.equal(bf16, base.to(torch.bfloat16))
+    wide = torch.zeros(1024 * 2048 + 1, device="cuda")
+    assert not core.accumulate(opa, opb, wide[1:].view(1024, 2048)) and not wide.any()
+
+
+def _fused_steps(monkeypatch: pytest.MonkeyPatch, lean: str, tensor_gemm: str,
+                 soi: bool) -> tuple[list[torch.Tensor], list[bool]]:
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", lean)
+    monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", tensor_gemm)
+    seen: list[bool] = []
+    real = cublaslt.matmul
+
+    def spy(*args: object, **kw: object) -> bool:
+        seen.append(bool(kw.get("accumulate", False)))
+        return real(*args, **kw)
+    monkeypatch.setattr(cublaslt, "matmul", spy)
+    torch.manual_seed(2)
+    layer = mf.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=soi,
+                      fuse_wgrad_accumulation=True, name="proj")
+    layer.weight.main_grad = torch.zeros(N, K, device="cuda")
+    layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for _ in range(2):
+        with mf.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            y = layer(x)
+        y.backward(dy)
+        out += [y.detach().clone(), x.grad.clone(), layer.weight.main_grad.clone()]
+        assert layer.weight.grad_added_to_main_grad
+    return out, seen
+
+
+@pytest.mark.parametrize("soi", [False, True], ids=["flag-off", "flag-on"])
+def test_fused_wgrad_is_added_by_the_gemm(monkeypatch: pytest.MonkeyPatch, soi: bool) -> None:
+    """Megatron's gradient-accumulation fusion under current scaling: the wgrad GEMM adds itself
+    into ``main_grad`` (one cuBLASLt call with beta = 1, no separate add), the lean and general
+    paths give the same bits, and ``main_grad`` agrees with torch's FP32 wgrad added after."""
+    general, seen_general = _fused_steps(monkeypatch, "0", "cublaslt", soi)
+    lean, seen_lean = _fused_steps(monkeypatch, "auto", "cublaslt", soi)
+    assert seen_general.count(True) == 2 and seen_lean.count(True) == 2, (seen_general, seen_lean)
+    for i, (a, b) in enumerate(zip(general, lean)):
+        assert torch.equal(a, b), i
+    added, seen_torch = _fused_steps(monkeypatch, "auto", "torch", soi)
+    assert not seen_torch
+    for i, (a, b) in enumerate(zip(lean, added)):  # y and dx: torch's bits; main_grad: FP32 rounding
+        assert torch.equal(a, b) if i % 3 < 2 else _rel(a, b) < 1e-6, i

@@ -193,3 +193,26 @@ def test_recipe_change_warns_when_it_drops_delayed_history() -> None:
     with pytest.warns(RuntimeWarning, match=r"Linear\(proj\): the FP8 recipe changed .* history is dropped"):
         with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8BlockScaling()):
             layer(torch.randn(128, 128))
+
+
+def test_wgrad_fusion_setting_overrides_the_config(monkeypatch) -> None:
+    """``MEGATRON_FP8_WGRAD_FUSION=on`` makes a parallel layer add its wgrad into ``main_grad``
+    (Megatron's DDP then skips its own add: ``grad_added_to_main_grad``) whatever the config
+    says; ``config`` follows ``gradient_accumulation_fusion``; anything else raises."""
+    cfg = ParallelConfig(use_cpu_initialization=True)
+    assert not ColumnParallelLinear(64, 32, config=cfg, bias=False).gradient_accumulation_fusion
+    monkeypatch.setenv("MEGATRON_FP8_WGRAD_FUSION", "on")
+    layer = ColumnParallelLinear(64, 32, config=cfg, bias=False)
+    assert layer.gradient_accumulation_fusion
+    layer.weight.main_grad = torch.zeros(32, 64)
+    layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(16, 64)
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8CurrentScaling()):
+        layer(x)[0].sum().backward()
+    assert layer.weight.grad_added_to_main_grad and layer.weight.main_grad.abs().sum() > 0
+    monkeypatch.setenv("MEGATRON_FP8_WGRAD_FUSION", "off")
+    assert not ColumnParallelLinear(64, 32, config=ParallelConfig(gradient_accumulation_fusion=True),
+                                    bias=False).gradient_accumulation_fusion
+    monkeypatch.setenv("MEGATRON_FP8_WGRAD_FUSION", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_WGRAD_FUSION='yes'.*'config'.*'on'.*'off'"):
+        ColumnParallelLinear(64, 32, config=cfg, bias=False)

@@ -159,6 +159,21 @@ def test_hybrid_gemm_choice_is_validated_and_cpu_never_served(monkeypatch) -> No
         cublaslt.choice()
 
 
+def test_tensor_gemm_choice_and_accumulate_on_cpu(monkeypatch) -> None:
+    """``MEGATRON_FP8_TENSOR_GEMM`` names its values when wrong; on CPU no per-tensor GEMM goes to
+    cuBLASLt, and ``accumulate`` declines (the caller computes the wgrad and adds it)."""
+    from megatron_fp8.kernels import cublaslt
+    from megatron_fp8.recipe import Float8CurrentScaling
+
+    a, b, _ = _operands(Float8CurrentScaling(), "wgrad")
+    assert not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32)
+    into = torch.zeros(a.shape[0], b.shape[0])
+    assert not core.accumulate(a, b, into) and not into.any()
+    monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", "cublas")
+    with pytest.raises(ValueError, match="MEGATRON_FP8_TENSOR_GEMM='cublas'.*'cublaslt'.*'torch'"):
+        cublaslt.tensor_choice()
+
+
 @pytest.mark.parametrize("splits", [[128, 0, 256, 128], [0, 0, 512, 0]], ids=["some-empty", "one-expert"])
 def test_grouped_gemm_equals_per_expert_gemms(recipe, splits: list[int]) -> None:
     """Rowwise operands split by tokens (fprop shape), per-expert weights; zero-token experts."""

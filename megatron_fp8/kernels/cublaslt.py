@@ -1,5 +1,14 @@
-"""Block-scaled FP8 GEMMs with an E5M2 operand (HYBRID block scaling: E5M2 gradients), called on
-cuBLASLt itself through ctypes (and, opt-in, the E4M3 ones: ``block_choice``).
+"""FP8 GEMMs called on cuBLASLt itself through ctypes: block-scaled ones with an E5M2 operand
+(HYBRID block scaling: E5M2 gradients; opt-in, the E4M3 ones: ``block_choice``) and, by default,
+the per-tensor-scaled ones (``tensor_choice``).
+
+Per-tensor scales: torch's ``_scaled_mm`` builds cuBLASLt's descriptors and asks its heuristic
+on every call, ~60-80 us of host time per GEMM under the profiler (docs/benchmarks.md, run AK),
+where an eager FP8 linear's GEMMs take less GPU time than that at small token counts. Here the
+same question (descriptor attributes, layouts, workspace size) is asked once per problem; the
+answer is torch's kernel, so the same bits (tests/test_cublaslt_gpu.py). Besides, ``accumulate``
+adds the GEMM into its output (beta = 1): a wgrad added into Megatron's FP32 ``main_grad`` in the
+epilogue, the gradient-accumulation fusion, without the separate add (~12 bytes a parameter).
 
 Why: torch's ``scaled_mm`` refuses E5M2 operands with 1x128 / 128x128 scales on SM90 ("Invalid
 scaling configuration"), but cuBLASLt's block-scaled kernels take one E5M2 operand (E4M3 x E5M2
@@ -17,8 +26,8 @@ verified bit for bit against torch's E4M3 block GEMMs on the H200 (run Y). Each 
 dtypes, scale layouts, device) builds its descriptors and takes the heuristic's first answer
 once; a call sets the two scale pointers and launches. cuBLASLt is offered a workspace as torch
 offers it for its own ``scaled_mm`` (``CUBLASLT_WORKSPACE_SIZE`` KiB, default 32 MiB on SM90),
-one per device and stream, kept for the process's life (a CUDA graph may replay it at any time);
-a stream first seen while a graph is captured gets none. The default 256-byte pointer alignment
+one per device and stream, kept for the process's life (a CUDA graph may replay it at any time).
+The default 256-byte pointer alignment
 is assumed, so a call whose pointers are not 256-byte aligned is declined, as is a problem
 cuBLASLt has no kernel for: ``matmul`` then returns False and ``gemm`` runs the Triton GEMM.
 
@@ -51,12 +60,13 @@ DTYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29, torch.bfloat16: 14, to
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the GEMM core's outputs (C = D: never FP8)
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 3, 4, 17, 18
-DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
-SCALE_MODES = {L.BLOCK_1x128: 4, L.BLOCK_128x128: 5}  # VEC128_32F, BLK128x128_32F
+DESC_FAST_ACCUM, DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 25, 31, 32
+SCALE_MODES = {L.TENSOR: 0, L.BLOCK_1x128: 4, L.BLOCK_128x128: 5}  # SCALAR_32F, VEC128_32F, BLK128x128_32F
 PREF_MAX_WORKSPACE_BYTES = 1
 ALIGN = 256  # bytes: cuBLASLt's default minimum alignment of A, B, C and D (no preference lowers it)
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
 _CHOICES = ("auto", "cublaslt", "triton")
+_TENSOR_CHOICES = ("cublaslt", "torch")
 
 
 class Algo(ctypes.Structure):
@@ -161,10 +171,11 @@ _workspaces: dict[tuple[int, int], torch.Tensor] = {}
 
 def _workspace(device: int, stream: int) -> torch.Tensor | None:
     """The workspace of ``stream`` on ``device`` (made at its first GEMM, kept for good), or None
-    (size 0, or a stream first seen inside a CUDA graph capture, where a new buffer would belong
-    to the graph's memory pool)."""
+    (size 0). A stream first seen inside a CUDA graph capture gets its buffer from the graph's
+    memory pool, as torch's own cuBLASLt workspaces do: the same size as eagerly, so a captured
+    GEMM asks the heuristic what the eager one asks and gets the same kernel (the same bits)."""
     ws = _workspaces.get((device, stream))
-    if ws is None and workspace_bytes(device) and not torch.cuda.is_current_stream_capturing():
+    if ws is None and workspace_bytes(device):
         ws = _workspaces[(device, stream)] = torch.empty(workspace_bytes(device), dtype=torch.uint8,
                                                          device=torch.device("cuda", device))
     return ws
@@ -175,7 +186,7 @@ def _plan(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _Plan | N
     first call's scale pointers set (as torch and the verified probe ask it) and the workspace
     size in the key; None where cuBLASLt has none. Frees what it made when it returns None or
     raises."""
-    device, m, n, k, a_dtype, b_dtype, out_dtype, a_layout, b_layout, ws_bytes = key
+    device, m, n, k, a_dtype, b_dtype, out_dtype, a_layout, b_layout, ws_bytes, fast_accum = key
     lib = library()
     desc, pref, lays = ctypes.c_void_p(), ctypes.c_void_p(), []
     found, got, status = Heuristic(), ctypes.c_int(0), -1
@@ -185,6 +196,8 @@ def _plan(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _Plan | N
         _set(lib, desc, DESC_TRANSB, ctypes.c_int32(OP_N))
         _set(lib, desc, DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_MODES[b_layout]))
         _set(lib, desc, DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_MODES[a_layout]))
+        if a_layout is L.TENSOR:  # as torch's scaled_mm sets it for per-tensor scales
+            _set(lib, desc, DESC_FAST_ACCUM, ctypes.c_int8(1 if fast_accum else 0))
         _set(lib, desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
         _set(lib, desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
         for dtype, rows, cols in ((b_dtype, k, n), (a_dtype, k, m), (out_dtype, n, m)):
@@ -219,8 +232,9 @@ def _plan_or_none(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _
     except RuntimeError as e:
         if key not in _failed:
             _failed.add(key)
-            warnings.warn(f"megatron_fp8: cuBLASLt could not plan the block GEMM {key[1:4]} ({key[4]} x {key[5]} -> "
-                          f"{key[6]}): {e}; our Triton GEMM runs it instead", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"megatron_fp8: cuBLASLt could not plan the FP8 GEMM {key[1:4]} ({key[4]} x {key[5]} -> "
+                          f"{key[6]}): {e}; torch's scaled_mm or our Triton GEMM runs it instead", RuntimeWarning,
+                          stacklevel=4)
         return None
 
 
@@ -237,17 +251,35 @@ def block_choice() -> str:
     return v
 
 
+def tensor_choice() -> str:
+    """``MEGATRON_FP8_TENSOR_GEMM``: who runs the per-tensor-scaled GEMMs (current and delayed
+    scaling) on CUDA, ``cublaslt`` (the default: ``matmul`` here, asking cuBLASLt what torch's
+    ``_scaled_mm`` asks it, with the descriptors and the heuristic's answer kept per problem
+    instead of rebuilt on every call, the host cost of an eager step; it also lets a wgrad add
+    itself into Megatron's ``main_grad`` in its epilogue) or ``torch`` (``torch._scaled_mm``)."""
+    v = os.environ.get("MEGATRON_FP8_TENSOR_GEMM", "cublaslt").strip().lower()
+    if v not in _TENSOR_CHOICES:
+        raise ValueError(f"MEGATRON_FP8_TENSOR_GEMM={v!r}; allowed: 'cublaslt' (cuBLASLt called directly, the "
+                         "default) or 'torch' (torch's _scaled_mm)")
+    return v
+
+
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: ScaleLayout,
            out_dtype: torch.dtype) -> bool:
-    """Whether ``matmul`` may take this block GEMM (it can still find no kernel): on CUDA, every
-    dim a multiple of 128, one E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two
-    E4M3 ones under ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
+    """Whether ``matmul`` may take this GEMM (it can still find no kernel): on CUDA, per-tensor
+    scales on both operands (not two E5M2 ones), every dim a multiple of 16, unless
+    ``MEGATRON_FP8_TENSOR_GEMM=torch``; block scales with every dim a multiple of 128 and one
+    E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones under
+    ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
     if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in OUT_DTYPES):
         return False
     (m, k), (n, _) = a.shape, b.shape
+    if a_layout is L.TENSOR or b_layout is L.TENSOR:
+        return (a_layout is b_layout and not (m % 16 or n % 16 or k % 16) and (a.dtype, b.dtype) != (_E5M2, _E5M2)
+                and tensor_choice() == "cublaslt" and library() is not None)
     if (a_layout, b_layout) == (L.BLOCK_128x128, L.BLOCK_128x128) or m % 128 or n % 128 or k % 128:
         return False
     dtypes = (a.dtype, b.dtype)
@@ -259,21 +291,25 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
 
 
 def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_scale: torch.Tensor,
-           b_layout: ScaleLayout, out: torch.Tensor) -> bool:
+           b_layout: ScaleLayout, out: torch.Tensor, fast_accum: bool = False, accumulate: bool = False) -> bool:
     """``out = a @ b.T`` (``a [m, k]``, ``b [n, k]``, FP8 and K-major; ``out`` a contiguous
-    ``[m, n]``), the scales laid out as torch hands them to cuBLASLt (``gemm._block_scale_layout``).
-    False, with nothing launched, where cuBLASLt has no kernel for the problem (or failed to plan
-    it: warned once), a pointer is not 256-byte aligned (scales: 16) or an operand is not
-    contiguous. Only for what ``serves`` accepts. A failing launch raises."""
-    if (any(t.data_ptr() % ALIGN for t in (a, b, out)) or a_scale.data_ptr() % 16 or b_scale.data_ptr() % 16
-            or not (a.is_contiguous() and b.is_contiguous())):
+    ``[m, n]``), the scales laid out as torch hands them to cuBLASLt (``gemm.cublaslt_scale``);
+    with ``accumulate``, ``out += a @ b.T`` (beta = 1, C = D = ``out``: the wgrad added into an
+    FP32 ``main_grad`` in the GEMM's epilogue); ``fast_accum`` as torch's ``use_fast_accum``
+    (per-tensor scales only). False, with nothing launched, where cuBLASLt has no kernel for the
+    problem (or failed to plan it: warned once), a pointer is not 256-byte aligned (block scales:
+    16) or an operand is not contiguous. Only for what ``serves`` accepts. A failing launch raises."""
+    scale_align = 4 if a_layout is L.TENSOR else 16
+    if (any(t.data_ptr() % ALIGN for t in (a, b, out)) or a_scale.data_ptr() % scale_align
+            or b_scale.data_ptr() % scale_align or not (a.is_contiguous() and b.is_contiguous())):
         return False
     (m, k), (n, _) = a.shape, b.shape
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(a.device).cuda_stream
     ws = _workspace(device, stream)
     ws_bytes = ws.numel() if ws is not None else 0
-    key = (device, m, n, k, a.dtype, b.dtype, out.dtype, a_layout, b_layout, ws_bytes)
+    key = (device, m, n, k, a.dtype, b.dtype, out.dtype, a_layout, b_layout, ws_bytes,
+           fast_accum and a_layout is L.TENSOR)
     plan = _plans.get(key, False)
     if plan is False:
         with torch.cuda.device(device):
@@ -282,13 +318,13 @@ def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: tor
         return False
     if torch.cuda.current_device() != device:  # the handle and the launch belong to a's device
         with torch.cuda.device(device):
-            return matmul(a, a_scale, a_layout, b, b_scale, b_layout, out)
+            return matmul(a, a_scale, a_layout, b, b_scale, b_layout, out, fast_accum, accumulate)
     lib = library()
     with plan.lock:
         _set(lib, plan.desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
         _set(lib, plan.desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
         _ok(lib.cublasLtMatmul(plan.handle, plan.desc, ctypes.byref(_ONE), ctypes.c_void_p(b.data_ptr()), plan.a,
-                               ctypes.c_void_p(a.data_ptr()), plan.b, ctypes.byref(_ZERO),
+                               ctypes.c_void_p(a.data_ptr()), plan.b, ctypes.byref(_ONE if accumulate else _ZERO),
                                ctypes.c_void_p(out.data_ptr()), plan.d, ctypes.c_void_p(out.data_ptr()), plan.d,
                                ctypes.byref(plan.algo), ctypes.c_void_p(ws.data_ptr() if ws is not None else None),
                                ctypes.c_size_t(ws_bytes), ctypes.c_void_p(stream)),

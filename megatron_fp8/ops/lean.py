@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import gemm as gemm_mod
 from ..quant.tensor import Operand, QuantizedTensor
 from . import paths, routes
 
@@ -190,7 +191,7 @@ class LeanLinear(torch.autograd.Function):
                                                       False)
                 dx, dw = _gradients(ctx, plan, dy, grad_out.dtype, saved, need_dx, need_dw)
             plan.backward_proven = True
-        if dw is not None and ctx.fuse_wgrad:
+        if ctx.fuse_wgrad and (dw is not None or getattr(ctx, "wgrad_added", False)):
             dw = _accumulate_wgrad(ctx.weight, dw)
         db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if (ctx.bias_dtype is not None and need_db) else None
         return dx, dw, db, None, None, None
@@ -238,7 +239,10 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
     if x_pending is not None:
         gathered = x_pending.wait()
         xc, xcs = gathered.data, gathered.scale_inv
-    if need_dw:
+    if need_dw and ctx.fuse_wgrad and gemm_mod.accumulate(Operand(dyc, dycs, q.grad_output.layout),
+                                                          Operand(xc, xcs, q.input.layout), ctx.weight.main_grad):
+        ctx.wgrad_added = True  # in main_grad already, as ops.linear._backward_fp8 adds it
+    elif need_dw:
         wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)
         if wgrad is None:
             wgrad = routes.gemm_route("wgrad", Operand(dyc, dycs, q.grad_output.layout),

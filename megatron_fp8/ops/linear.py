@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..gemm import gemm
+from ..gemm import accumulate, gemm
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import Quantizer
 from ..quant.tensor import Operand, QuantizedTensor
@@ -128,9 +128,11 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
-    """Megatron's gradient-accumulation fusion: add into ``main_grad``, return a dummy grad."""
-    weight.main_grad.add_(dw)  # type: ignore[attr-defined]
+def _accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor | None) -> torch.Tensor | None:
+    """Megatron's gradient-accumulation fusion: add ``dw`` into ``main_grad`` (None: the wgrad
+    GEMM added it there itself, ``gemm.accumulate``), return a dummy grad."""
+    if dw is not None:
+        weight.main_grad.add_(dw)  # type: ignore[attr-defined]
     return added_to_main_grad(weight)
 
 
@@ -247,7 +249,7 @@ class _Linear(torch.autograd.Function):
         backward_gemms = _backward_fp8 if ctx.fp8 else _backward_hp
         dx, dw = backward_gemms(ctx, dy, grad_out.dtype, wgrad_dtype, need_dx, need_dw)
         db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if (ctx.has_bias and need_db) else None
-        if dw is not None and ctx.fuse_wgrad:
+        if ctx.fuse_wgrad and (dw is not None or getattr(ctx, "wgrad_added", False)):
             dw = _accumulate_wgrad(weight, dw)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
@@ -307,8 +309,11 @@ def _backward_fp8(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype
         dx_pending = ctx.comm.reduce_dgrad(dx)
     dw = None
     if x_pending is not None:
-        dw = gemm(dy_q.operand("columnwise"), x_pending.wait(), wgrad_dtype, name="wgrad")
-        dw = unpad_wgrad(dw, ctx.n_pad, ctx.fuse_wgrad)
+        dy_col, x_col = dy_q.operand("columnwise"), x_pending.wait()
+        if ctx.fuse_wgrad and not ctx.n_pad and accumulate(dy_col, x_col, ctx.weight.main_grad):
+            ctx.wgrad_added = True  # in main_grad already: the GEMM's epilogue added it
+        else:
+            dw = unpad_wgrad(gemm(dy_col, x_col, wgrad_dtype, name="wgrad"), ctx.n_pad, ctx.fuse_wgrad)
     return (dx_pending.wait() if dx_pending is not None else None), dw
 
 

@@ -9,7 +9,7 @@ keeps what they decided; a call then allocates its outputs and launches.
 A fast route exists where this module launches exactly what the general path launches for the
 signature (the same kernels with the same arguments, so the same bits): current scaling's
 one-launch cast, the 1x128 / 128x128 block casts, delayed scaling's amax-and-cast, torch's
-``scaled_mm`` for per-tensor and E4M3 block GEMMs, cuBLASLt for HYBRID block GEMMs. Elsewhere the
+``scaled_mm`` for E4M3 block GEMMs, cuBLASLt for per-tensor and HYBRID block GEMMs. Elsewhere the
 route is the general call itself behind the same signature. ``ops.lean`` builds a linear's plan
 from them.
 """
@@ -42,6 +42,7 @@ GemmRoute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 # the settings a route depends on: a plan made under one set is not used under another
 _SETTINGS = ("MEGATRON_FP8_LEAN", "MEGATRON_FP8_CAST_BACKEND", "MEGATRON_FP8_CUDA_CAST", "MEGATRON_FP8_CUDA_CURRENT",
              "MEGATRON_FP8_GEMM_BACKEND", "MEGATRON_FP8_HYBRID_GEMM", "MEGATRON_FP8_BLOCK_GEMM",
+             "MEGATRON_FP8_TENSOR_GEMM",
              "MEGATRON_FP8_STRICT", "MEGATRON_FP8_GROUPED_GEMM", "TRITON_INTERPRET", "CUBLASLT_WORKSPACE_SIZE")
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own store: one dict lookup a setting
 _ENV_KEYS = tuple(os.environ.encodekey(k) for k in _SETTINGS) if hasattr(os.environ, "encodekey") else None
@@ -261,8 +262,9 @@ def relearning(route: GemmRoute) -> GemmRoute:
 
 def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> GemmRoute:
     """The route of ``gemm(a', b', out_dtype)`` for operands like ``a`` and ``b`` (same shapes,
-    dtypes, layouts, device): torch's ``scaled_mm`` called directly for per-tensor and E4M3 block
-    scales, cuBLASLt for HYBRID block scales where ``gemm`` runs them there, else ``gemm``. Every
+    dtypes, layouts, device): cuBLASLt called directly where ``gemm`` calls it (per-tensor scales by
+    default, HYBRID block scales), torch's ``scaled_mm`` for the other per-tensor and E4M3 block
+    GEMMs, else ``gemm``. Every
     route reports to ``record_gemms`` as ``gemm`` does."""
     layouts = (a.layout, b.layout)
     (m, k), (n, _) = a.shape, b.shape
@@ -271,6 +273,15 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
     if backend is not Backend.NATIVE or not a.data.is_cuda or not (m and n and k):
         return general
     records = gemm_mod._state.records
+    if a.layout is L.TENSOR and cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+        def tensorwise_lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+            y = torch.empty((m, n), dtype=out_dtype, device=a.device)
+            if not cublaslt.matmul(a, sa, L.TENSOR, b, sb, L.TENSOR, y, fast_accum):
+                return general(a, sa, b, sb)  # a pointer it does not take: gemm runs torch's
+            if records:
+                gemm_mod.record(name, backend, layouts, (m, n, k))
+            return y
+        return tensorwise_lt
     if a.layout is L.TENSOR:
         def tensorwise(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
             if records:

@@ -7,6 +7,7 @@ Megatron's parameter attributes, FP8 operands with TP-wide amax groups, and chec
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,22 @@ from .groups import group_rank, group_size, resolve_tp_group
 from .init import init_shard_directly, init_shard_from_master, set_tp_attributes
 
 __all__ = ["ParallelLinearBase"]
+
+
+def wgrad_fusion(config: Any, owner: str) -> bool:
+    """Whether the layer adds its wgrad into ``weight.main_grad`` itself (Megatron's
+    gradient-accumulation fusion; under per-tensor FP8 scaling on CUDA the wgrad GEMM's epilogue
+    adds it, ``gemm.accumulate``). ``MEGATRON_FP8_WGRAD_FUSION``: ``config`` (the default: the
+    config's ``gradient_accumulation_fusion``), ``on`` (whatever the config says: Megatron's own
+    layers need apex for the fusion, so a run without apex passes ``--no-gradient-accumulation-fusion``;
+    ours need nothing but the ``main_grad`` Megatron's DDP gives every parameter) or ``off``."""
+    v = os.environ.get("MEGATRON_FP8_WGRAD_FUSION", "config").strip().lower()
+    if v not in ("config", "on", "off"):
+        raise ValueError(f"MEGATRON_FP8_WGRAD_FUSION={v!r}; allowed: 'config' (the config's "
+                         "gradient_accumulation_fusion), 'on' or 'off'")
+    if v == "config":
+        return bool(config_value(config, "gradient_accumulation_fusion", owner))
+    return v == "on"
 
 
 def init_device(config: Any) -> torch.device:
@@ -74,8 +91,7 @@ class ParallelLinearBase(FP8Module):
         # the installed megatron-core's, which changed in 0.19)
         self.expert_groups = _mcore.uses_expert_groups(config, is_expert)
         self.explicit_expert_comm = is_expert and (self.tp_size > 1 or self.expert_parallel)
-        self.gradient_accumulation_fusion = bool(
-            config_value(config, "gradient_accumulation_fusion", self._owner))
+        self.gradient_accumulation_fusion = wgrad_fusion(config, self._owner)
         if config_value(config, "defer_embedding_wgrad_compute", self._owner):
             raise ValueError(
                 f"{self._owner}: config.defer_embedding_wgrad_compute is not supported by the FP8 "
