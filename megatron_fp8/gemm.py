@@ -13,9 +13,9 @@ wgrad       ``dw = dy.T @ x``      dy columnwise ``[N, M]``         x columnwise
 so ``gemm(a, b) = a @ b.T`` with both operands' last dim contracted. The backend is chosen per
 call: ``native`` (``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``) where the device runs
 that pair of scale layouts, else ``emulate`` (dequantize, FP32 matmul, cast to the output dtype).
-Per-tensor-scaled GEMMs on CUDA call cuBLASLt directly (``kernels.cublaslt``: the question torch
-asks it, answered once per problem; ``MEGATRON_FP8_TENSOR_GEMM=torch`` sends them to torch), and
-``accumulate`` adds a wgrad into Megatron's FP32 ``main_grad`` in such a GEMM's epilogue.
+``accumulate`` adds a per-tensor-scaled wgrad into Megatron's FP32 ``main_grad`` in the GEMM's
+epilogue, on cuBLASLt called directly (``kernels.cublaslt``; ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``
+sends every per-tensor GEMM there: torch's bits, opt-in).
 Block-scaled GEMMs with an E5M2 operand (HYBRID gradients), which torch refuses, run natively on
 cuBLASLt called directly (``kernels.cublaslt``) or on our Triton GEMM, recorded as
 ``name[cublaslt]`` / ``name[triton]``. ``force_backend`` pins one; ``record_gemms`` lists what
@@ -219,7 +219,7 @@ def _native(a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool,
         return out.copy_(_native(a, b, out_dtype, fast_accum))
     where = {} if out is None else {"out": out}
     if a.layout is L.TENSOR:
-        y = _cublaslt(a, b, out_dtype, out, fast_accum)  # the default on CUDA: MEGATRON_FP8_TENSOR_GEMM
+        y = _cublaslt(a, b, out_dtype, out, fast_accum)  # opt-in: MEGATRON_FP8_TENSOR_GEMM=cublaslt
         if y is not None:
             return y
         return torch._scaled_mm(
@@ -349,7 +349,8 @@ def accumulate(a: Operand, b: Operand, into: torch.Tensor, *, name: str = "wgrad
             or into.data_ptr() % cublaslt.ALIGN):
         return False
     backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
-    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32):
+    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32,
+                                                            accumulate=True):
         return False
     if not cublaslt.matmul(a.data, cublaslt_scale(a), a.layout, b.data, cublaslt_scale(b), b.layout, into,
                            accumulate=True):

@@ -291,9 +291,11 @@ def _tensor_operands(m: int, n: int, k: int, da: str, db: str) -> tuple[torch.Te
 @pytest.mark.parametrize("fast_accum", [True, False], ids=["fast", "exact"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("pair", ["e4m3-e4m3", "e5m2-e4m3", "e4m3-e5m2"])
-def test_tensorwise_direct_call_is_torchs(pair: str, out_dtype: torch.dtype, fast_accum: bool) -> None:
+def test_tensorwise_direct_call_is_torchs(monkeypatch: pytest.MonkeyPatch, pair: str, out_dtype: torch.dtype,
+                                          fast_accum: bool) -> None:
     """Per-tensor scales: our direct call gives torch's ``_scaled_mm`` bit for bit (the question
     torch asks cuBLASLt, with the same workspace size), at a linear's shapes and a small one."""
+    monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", "cublaslt")
     torch.manual_seed(0)
     for m, n, k in ((256, 2048, 2048), (4096, 1024, 512), (48, 16, 32)):
         a, sa, b, sb = _tensor_operands(m, n, k, *pair.split("-"))
@@ -323,12 +325,15 @@ def test_tensorwise_accumulate_adds_into_fp32() -> None:
     assert not core.accumulate(opa, opb, wide[1:].view(1024, 2048)) and not wide.any()
 
 
+_REAL_MATMUL = cublaslt.matmul
+
+
 def _fused_steps(monkeypatch: pytest.MonkeyPatch, lean: str, tensor_gemm: str,
                  soi: bool) -> tuple[list[torch.Tensor], list[bool]]:
     monkeypatch.setenv("MEGATRON_FP8_LEAN", lean)
     monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", tensor_gemm)
     seen: list[bool] = []
-    real = cublaslt.matmul
+    real = _REAL_MATMUL
 
     def spy(*args: object, **kw: object) -> bool:
         seen.append(bool(kw.get("accumulate", False)))
@@ -356,12 +361,16 @@ def test_fused_wgrad_is_added_by_the_gemm(monkeypatch: pytest.MonkeyPatch, soi: 
     """Megatron's gradient-accumulation fusion under current scaling: the wgrad GEMM adds itself
     into ``main_grad`` (one cuBLASLt call with beta = 1, no separate add), the lean and general
     paths give the same bits, and ``main_grad`` agrees with torch's FP32 wgrad added after."""
-    general, seen_general = _fused_steps(monkeypatch, "0", "cublaslt", soi)
-    lean, seen_lean = _fused_steps(monkeypatch, "auto", "cublaslt", soi)
-    assert seen_general.count(True) == 2 and seen_lean.count(True) == 2, (seen_general, seen_lean)
+    general, seen_general = _fused_steps(monkeypatch, "0", "torch", soi)
+    lean, seen_lean = _fused_steps(monkeypatch, "auto", "torch", soi)
+    assert seen_general == [True, True] and seen_lean == [True, True], (seen_general, seen_lean)
     for i, (a, b) in enumerate(zip(general, lean)):
         assert torch.equal(a, b), i
-    added, seen_torch = _fused_steps(monkeypatch, "auto", "torch", soi)
-    assert not seen_torch
-    for i, (a, b) in enumerate(zip(lean, added)):  # y and dx: torch's bits; main_grad: FP32 rounding
+    everything, seen_lt = _fused_steps(monkeypatch, "auto", "cublaslt", soi)  # every GEMM on cuBLASLt
+    assert seen_lt.count(True) == 2 and len(seen_lt) == 6, seen_lt
+    for i, (a, b) in enumerate(zip(lean, everything)):  # torch's bits
+        assert torch.equal(a, b), i
+    monkeypatch.setattr(mf.gemm, "accumulate", lambda *a, **k: False)  # the lean path's separate add
+    added, _ = _fused_steps(monkeypatch, "auto", "torch", soi)
+    for i, (a, b) in enumerate(zip(lean, added)):  # y and dx: the same; main_grad: FP32 rounding
         assert torch.equal(a, b) if i % 3 < 2 else _rel(a, b) < 1e-6, i

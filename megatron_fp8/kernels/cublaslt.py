@@ -2,13 +2,12 @@
 (HYBRID block scaling: E5M2 gradients; opt-in, the E4M3 ones: ``block_choice``) and, by default,
 the per-tensor-scaled ones (``tensor_choice``).
 
-Per-tensor scales: torch's ``_scaled_mm`` builds cuBLASLt's descriptors and asks its heuristic
-on every call, ~60-80 us of host time per GEMM under the profiler (docs/benchmarks.md, run AK),
-where an eager FP8 linear's GEMMs take less GPU time than that at small token counts. Here the
-same question (descriptor attributes, layouts, workspace size) is asked once per problem; the
-answer is torch's kernel, so the same bits (tests/test_cublaslt_gpu.py). Besides, ``accumulate``
-adds the GEMM into its output (beta = 1): a wgrad added into Megatron's FP32 ``main_grad`` in the
-epilogue, the gradient-accumulation fusion, without the separate add (~12 bytes a parameter).
+Per-tensor scales: the same question torch's ``_scaled_mm`` asks (descriptor attributes,
+layouts, workspace size), asked once per problem: torch's kernel, so torch's bits
+(tests/test_cublaslt_gpu.py, H100). What it adds over torch: ``accumulate`` (beta = 1), a wgrad
+added into Megatron's FP32 ``main_grad`` in the GEMM's epilogue, the gradient-accumulation fusion
+without a separate add kernel (which reads a BF16 gradient and the FP32 ``main_grad`` and writes
+it back: 10 bytes a parameter per micro-batch).
 
 Why: torch's ``scaled_mm`` refuses E5M2 operands with 1x128 / 128x128 scales on SM90 ("Invalid
 scaling configuration"), but cuBLASLt's block-scaled kernels take one E5M2 operand (E4M3 x E5M2
@@ -253,14 +252,15 @@ def block_choice() -> str:
 
 def tensor_choice() -> str:
     """``MEGATRON_FP8_TENSOR_GEMM``: who runs the per-tensor-scaled GEMMs (current and delayed
-    scaling) on CUDA, ``cublaslt`` (the default: ``matmul`` here, asking cuBLASLt what torch's
-    ``_scaled_mm`` asks it, with the descriptors and the heuristic's answer kept per problem
-    instead of rebuilt on every call, the host cost of an eager step; it also lets a wgrad add
-    itself into Megatron's ``main_grad`` in its epilogue) or ``torch`` (``torch._scaled_mm``)."""
-    v = os.environ.get("MEGATRON_FP8_TENSOR_GEMM", "cublaslt").strip().lower()
+    scaling) on CUDA, ``torch`` (the default: ``torch._scaled_mm``) or ``cublaslt`` (``matmul``
+    here: the question torch asks cuBLASLt, with the descriptors and the heuristic's answer kept
+    per problem instead of rebuilt on every call; the same bits, but no host time saved beyond
+    the noise in an eager ``Linear`` step on the H100, docs/benchmarks.md run AK). The wgrads that
+    add themselves into ``main_grad`` (``gemm.accumulate``) call cuBLASLt whichever is set."""
+    v = os.environ.get("MEGATRON_FP8_TENSOR_GEMM", "torch").strip().lower()
     if v not in _TENSOR_CHOICES:
-        raise ValueError(f"MEGATRON_FP8_TENSOR_GEMM={v!r}; allowed: 'cublaslt' (cuBLASLt called directly, the "
-                         "default) or 'torch' (torch's _scaled_mm)")
+        raise ValueError(f"MEGATRON_FP8_TENSOR_GEMM={v!r}; allowed: 'torch' (torch's _scaled_mm, the default) or "
+                         "'cublaslt' (cuBLASLt called directly)")
     return v
 
 
@@ -268,10 +268,10 @@ _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: ScaleLayout,
-           out_dtype: torch.dtype) -> bool:
+           out_dtype: torch.dtype, accumulate: bool = False) -> bool:
     """Whether ``matmul`` may take this GEMM (it can still find no kernel): on CUDA, per-tensor
-    scales on both operands (not two E5M2 ones), every dim a multiple of 16, unless
-    ``MEGATRON_FP8_TENSOR_GEMM=torch``; block scales with every dim a multiple of 128 and one
+    scales on both operands (not two E5M2 ones), every dim a multiple of 16, to ``accumulate``
+    or under ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``; block scales with every dim a multiple of 128 and one
     E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones under
     ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
     if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in OUT_DTYPES):
@@ -279,7 +279,7 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
     (m, k), (n, _) = a.shape, b.shape
     if a_layout is L.TENSOR or b_layout is L.TENSOR:
         return (a_layout is b_layout and not (m % 16 or n % 16 or k % 16) and (a.dtype, b.dtype) != (_E5M2, _E5M2)
-                and tensor_choice() == "cublaslt" and library() is not None)
+                and (accumulate or tensor_choice() == "cublaslt") and library() is not None)
     if (a_layout, b_layout) == (L.BLOCK_128x128, L.BLOCK_128x128) or m % 128 or n % 128 or k % 128:
         return False
     dtypes = (a.dtype, b.dtype)
