@@ -216,3 +216,11 @@ def test_wgrad_fusion_setting_overrides_the_config(monkeypatch) -> None:
     monkeypatch.setenv("MEGATRON_FP8_WGRAD_FUSION", "yes")
     with pytest.raises(ValueError, match="MEGATRON_FP8_WGRAD_FUSION='yes'.*'config'.*'on'.*'off'"):
         ColumnParallelLinear(64, 32, config=cfg, bias=False)
+
+
+def test_fused_wgrad_without_main_grad_names_the_layer() -> None:
+    layer = mf.Linear(64, 32, bias=False, fuse_wgrad_accumulation=True, name="proj")
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8CurrentScaling()), \
+            pytest.raises(RuntimeError, match=r"Linear\(proj\): fuse_wgrad_accumulation=True needs weight.main_grad"
+                                              r".*MEGATRON_FP8_WGRAD_FUSION=off"):
+        layer(torch.randn(16, 64))

@@ -346,9 +346,11 @@ def linear(
     if quantizers is not None and w_fp8 is None:
         w_fp8 = cast_weight(quantizers.weight, weight)
     if fuse_wgrad_accumulation and not hasattr(weight, "main_grad"):
+        owner = quantizers.input.name.rsplit(" ", 1)[0] + ": " if quantizers is not None else ""
         raise RuntimeError(
-            "fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 buffer, as Megatron's "
-            "DDP allocates); allocate it or turn the fusion off"
+            f"{owner}fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 buffer, as Megatron's "
+            "DDP allocates); allocate it or turn the fusion off (for the parallel layers: the config's "
+            "gradient_accumulation_fusion, or MEGATRON_FP8_WGRAD_FUSION=off)"
         )
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(
