@@ -341,9 +341,9 @@ def gemm(
 def accumulate(a: Operand, b: Operand, into: torch.Tensor, *, name: str = "wgrad") -> bool:
     """``into += a @ b.T`` in the GEMM's epilogue (beta = 1; ``into`` an FP32 ``[m, n]``, e.g. a
     weight's ``main_grad``): Megatron's gradient-accumulation fusion without a separate add.
-    Where cuBLASLt called directly serves the GEMM natively (``kernels.cublaslt.serves``; per-tensor
-    scales by default) and ``into`` is contiguous and 256-byte aligned; False, with nothing done,
-    elsewhere (the caller computes the GEMM and adds)."""
+    Where cuBLASLt called directly serves the GEMM natively (``kernels.cublaslt.serves``: per-tensor
+    scales, HYBRID block scales) and ``into`` is contiguous and 256-byte aligned; False, with nothing
+    done, elsewhere (the caller computes the GEMM and adds)."""
     (m, k), (n, _) = a.shape, b.shape
     if (into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous() or not (m and n and k)
             or into.data_ptr() % cublaslt.ALIGN):

@@ -1,6 +1,7 @@
 """FP8 GEMMs called on cuBLASLt itself through ctypes: block-scaled ones with an E5M2 operand
-(HYBRID block scaling: E5M2 gradients; opt-in, the E4M3 ones: ``block_choice``) and, by default,
-the per-tensor-scaled ones (``tensor_choice``).
+(HYBRID block scaling: E5M2 gradients; opt-in, the E4M3 ones: ``block_choice``), the wgrads that
+add themselves into Megatron's ``main_grad`` (``accumulate``) and, opt-in, every per-tensor-scaled
+one (``tensor_choice``).
 
 Per-tensor scales: the same question torch's ``_scaled_mm`` asks (descriptor attributes,
 layouts, workspace size), asked once per problem: torch's kernel, so torch's bits

@@ -9,7 +9,8 @@ keeps what they decided; a call then allocates its outputs and launches.
 A fast route exists where this module launches exactly what the general path launches for the
 signature (the same kernels with the same arguments, so the same bits): current scaling's
 one-launch cast, the 1x128 / 128x128 block casts, delayed scaling's amax-and-cast, torch's
-``scaled_mm`` for E4M3 block GEMMs, cuBLASLt for per-tensor and HYBRID block GEMMs. Elsewhere the
+``scaled_mm`` for per-tensor and E4M3 block GEMMs (cuBLASLt for per-tensor ones where
+``MEGATRON_FP8_TENSOR_GEMM=cublaslt``), cuBLASLt for HYBRID block GEMMs. Elsewhere the
 route is the general call itself behind the same signature. ``ops.lean`` builds a linear's plan
 from them.
 """
@@ -262,10 +263,10 @@ def relearning(route: GemmRoute) -> GemmRoute:
 
 def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> GemmRoute:
     """The route of ``gemm(a', b', out_dtype)`` for operands like ``a`` and ``b`` (same shapes,
-    dtypes, layouts, device): cuBLASLt called directly where ``gemm`` calls it (per-tensor scales by
-    default, HYBRID block scales), torch's ``scaled_mm`` for the other per-tensor and E4M3 block
-    GEMMs, else ``gemm``. Every
-    route reports to ``record_gemms`` as ``gemm`` does."""
+    dtypes, layouts, device): cuBLASLt called directly where ``gemm`` calls it (HYBRID block scales;
+    per-tensor ones under ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``), torch's ``scaled_mm`` for the
+    other per-tensor and E4M3 block GEMMs, else ``gemm``. Every route reports to ``record_gemms``
+    as ``gemm`` does."""
     layouts = (a.layout, b.layout)
     (m, k), (n, _) = a.shape, b.shape
     backend = gemm_mod.select_backend(a.layout, b.layout, a.data.device, (m, n, k))
