@@ -355,7 +355,7 @@ def accumulate(a: Operand, b: Operand, into: torch.Tensor, *, name: str = "wgrad
     if not cublaslt.matmul(a.data, cublaslt_scale(a), a.layout, b.data, cublaslt_scale(b), b.layout, into,
                            accumulate=True):
         return False
-    record(name, backend, (a.layout, b.layout), (m, n, k))
+    record(f"{name}[cublaslt]" if _e5m2_blocks(a, b) else name, backend, (a.layout, b.layout), (m, n, k))  # as gemm
     return True
 
 
