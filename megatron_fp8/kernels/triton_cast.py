@@ -279,6 +279,8 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Run the cast kernel; raw outputs ``(row, row_s, col, col_s)`` (flat where segmented).
     ``gather``: ``(real offsets, M)``, ``cast_segments_gathered``'s cast of ``M`` padded rows."""
+    if gather is not None and (fused is not None or offsets is None or not aligned):
+        raise ValueError("triton_cast._launch: a gathered cast takes aligned segments and given scales")
     m, k = x.shape if gather is None else (gather[1], x.shape[1])
     n_mb, n_kb = cdiv(m, TILE), cdiv(k, TILE)
     dev = x.device
@@ -299,8 +301,6 @@ def _launch(x: torch.Tensor, fp8_dtype: torch.dtype, mode: str, rowwise: bool, c
     # every constexpr given (the launcher shortcut binds no defaults)
     extra: dict[str, object] = dict(FUSED=fused is not None, R_AMAX=_R, EPS=float(fused.eps) if fused else 0.0,
                                     POW2=fused.pow2 if fused else False, BP=1024, GATHER=gather is not None)
-    if gather is not None and (fused is not None or offsets is None or not aligned):
-        raise ValueError("triton_cast._launch: a gathered cast takes aligned segments and given scales")
     _CAST((n_mb, n_kb),
         x, ptr(row), ptr(row_s), ptr(col), ptr(col_s), ptr(tensor_scale), ptr(offsets),
         gather[0] if gather is not None else dummy,
