@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.formats import ScaleLayout
+from ..settings import env_choice
 
 L = ScaleLayout
 
@@ -65,8 +66,6 @@ SCALE_MODES = {L.TENSOR: 0, L.BLOCK_1x128: 4, L.BLOCK_128x128: 5}  # SCALAR_32F,
 PREF_MAX_WORKSPACE_BYTES = 1
 ALIGN = 256  # bytes: cuBLASLt's default minimum alignment of A, B, C and D (no preference lowers it)
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
-_CHOICES = ("auto", "cublaslt", "triton")
-_TENSOR_CHOICES = ("cublaslt", "torch")
 
 
 class Algo(ctypes.Structure):
@@ -86,11 +85,8 @@ def choice() -> str:
     """``MEGATRON_FP8_HYBRID_GEMM``: ``auto`` (the default; cuBLASLt where it has a kernel, else
     our Triton GEMM), ``cublaslt`` (an error where cuBLASLt declines: for benchmarks that must
     not fall back) or ``triton``. Anything else raises."""
-    v = os.environ.get("MEGATRON_FP8_HYBRID_GEMM", "auto").strip().lower()
-    if v not in _CHOICES:
-        raise ValueError(f"MEGATRON_FP8_HYBRID_GEMM={v!r}; allowed: 'auto' (cuBLASLt where it has a kernel, else "
-                         "Triton), 'cublaslt' (cuBLASLt or an error) or 'triton'")
-    return v
+    return env_choice("MEGATRON_FP8_HYBRID_GEMM", "auto", {
+        "auto": "cuBLASLt where it has a kernel, else Triton", "cublaslt": "cuBLASLt or an error", "triton": ""})
 
 
 @functools.cache
@@ -244,11 +240,8 @@ def block_choice() -> str:
     ``CUBLASLT_WORKSPACE_SIZE=0``, without torch rebuilding descriptors and asking the heuristic
     on every call, which cost ~60 us of host time per block GEMM on the H200 against ~11-20 for a
     bare cuBLASLt loop, docs/benchmarks-history.md run Y; opt-in until an eager step is timed)."""
-    v = os.environ.get("MEGATRON_FP8_BLOCK_GEMM", "torch").strip().lower()
-    if v not in ("torch", "cublaslt"):
-        raise ValueError(f"MEGATRON_FP8_BLOCK_GEMM={v!r}; allowed: 'torch' (torch's scaled_mm) or 'cublaslt' "
-                         "(cuBLASLt called directly)")
-    return v
+    return env_choice("MEGATRON_FP8_BLOCK_GEMM", "torch",
+                      {"torch": "torch's scaled_mm", "cublaslt": "cuBLASLt called directly"})
 
 
 def tensor_choice() -> str:
@@ -258,11 +251,8 @@ def tensor_choice() -> str:
     per problem instead of rebuilt on every call; the same bits, but no host time saved beyond
     the noise in an eager ``Linear`` step on the H100, docs/benchmarks.md run AK). The wgrads that
     add themselves into ``main_grad`` (``gemm.accumulate``) call cuBLASLt whichever is set."""
-    v = os.environ.get("MEGATRON_FP8_TENSOR_GEMM", "torch").strip().lower()
-    if v not in _TENSOR_CHOICES:
-        raise ValueError(f"MEGATRON_FP8_TENSOR_GEMM={v!r}; allowed: 'torch' (torch's _scaled_mm, the default) or "
-                         "'cublaslt' (cuBLASLt called directly)")
-    return v
+    return env_choice("MEGATRON_FP8_TENSOR_GEMM", "torch",
+                      {"torch": "torch's _scaled_mm, the default", "cublaslt": "cuBLASLt called directly"})
 
 
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..ops.padding import expert_rows, pad_rows
 from ..quant.formats import ScaleLayout
 from ..quant.quantizers import make_quantizer
 from ..recipe import Recipe, TensorRole
+from ..settings import env_choice
 from .specs import import_megatron, lazy_class
 
 __all__ = ["ExpertPadding", "ExpertUnpadding", "alignment"]  # and GroupedMLP (module __getattr__)
@@ -57,11 +57,9 @@ def padding_setting() -> str:
     """``MEGATRON_FP8_EXPERT_PADDING``: ``inside`` (the default: the grouped linears pad each expert
     themselves, ``ExpertPadding`` passes the tokens through) or ``outside`` (``ExpertPadding``
     pads, as Transformer Engine's ``Fp8Padding``). Anything else raises."""
-    v = os.environ.get("MEGATRON_FP8_EXPERT_PADDING", "inside").strip().lower()
-    if v not in ("inside", "outside"):
-        raise ValueError(f"MEGATRON_FP8_EXPERT_PADDING={v!r}; allowed: 'inside' (the grouped linears pad each "
-                         "expert in their casts) or 'outside' (Megatron's padding objects pad the tokens)")
-    return v
+    return env_choice("MEGATRON_FP8_EXPERT_PADDING", "inside", {
+        "inside": "the grouped linears pad each expert in their casts",
+        "outside": "Megatron's padding objects pad the tokens"})
 
 
 class ExpertPadding:

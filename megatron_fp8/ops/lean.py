@@ -21,7 +21,6 @@ then on.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ import torch
 
 from .. import gemm as gemm_mod
 from ..quant.tensor import Operand, QuantizedTensor
+from ..settings import env_choice
 from . import paths, routes
 
 if TYPE_CHECKING:
@@ -39,11 +39,8 @@ _MISSING = object()
 
 def lean_mode() -> str:
     """``MEGATRON_FP8_LEAN``: ``auto`` (plans for CUDA inputs), ``1`` (any device) or ``0``."""
-    v = os.environ.get("MEGATRON_FP8_LEAN", "auto").strip().lower()
-    if v not in ("auto", "0", "1"):
-        raise ValueError(f"MEGATRON_FP8_LEAN={v!r}; allowed: 'auto' (plans for CUDA inputs), '1' (any device), "
-                         "'0' (the general path only)")
-    return v
+    return env_choice("MEGATRON_FP8_LEAN", "auto",
+                      {"auto": "plans for CUDA inputs", "1": "any device", "0": "the general path only"})
 
 
 def _lean_here(t: torch.Tensor) -> bool:

@@ -7,7 +7,6 @@ Megatron's parameter attributes, FP8 operands with TP-wide amax groups, and chec
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from ..modules.base import FP8Module, default_init
 from ..ops.linear import LinearQuantizers, cast_weight
 from ..quant.tensor import QuantizedTensor
 from ..recipe import Recipe
+from ..settings import env_choice
 from . import _mcore
 from .checks import config_value, same_on_all_ranks, warn_if_emulated
 from .groups import group_rank, group_size, resolve_tp_group
@@ -36,10 +36,8 @@ def wgrad_fusion(config: Any, owner: str) -> bool:
     config's ``gradient_accumulation_fusion``), ``on`` (whatever the config says: Megatron's own
     layers need apex for the fusion, so a run without apex passes ``--no-gradient-accumulation-fusion``;
     ours need nothing but the ``main_grad`` Megatron's DDP gives every parameter) or ``off``."""
-    v = os.environ.get("MEGATRON_FP8_WGRAD_FUSION", "config").strip().lower()
-    if v not in ("config", "on", "off"):
-        raise ValueError(f"MEGATRON_FP8_WGRAD_FUSION={v!r}; allowed: 'config' (the config's "
-                         "gradient_accumulation_fusion), 'on' or 'off'")
+    v = env_choice("MEGATRON_FP8_WGRAD_FUSION", "config",
+                   {"config": "the config's gradient_accumulation_fusion", "on": "", "off": ""})
     if v == "config":
         return bool(config_value(config, "gradient_accumulation_fusion", owner))
     return v == "on"
