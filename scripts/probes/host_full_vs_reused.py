@@ -1,0 +1,78 @@
+"""Probe: why an eager current-scaling ``Linear`` step that casts its weight costs twice the host
+time of one that reuses it (run AL: 618 vs 294 us on an H100, where the weight cast's route alone
+takes 33 us). Host and device us of both, with the one-launch cast on and off, and cProfiles.
+
+    python scripts/probes/host_full_vs_reused.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+import torch  # noqa: E402
+from benchlib import host_and_device_ms, own_time_profile, train_step  # noqa: E402
+
+import megatron_fp8 as mf  # noqa: E402
+from megatron_fp8.recipe import PRESETS  # noqa: E402
+
+
+def main() -> None:
+    t, k, n = 256, 2048, 2048
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    for label, reuse in (("full", False), ("reused", True), ("full", False), ("reused", True)):
+        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        if reuse:
+            layer.is_first_microbatch = True
+        step = train_step(layer, x, dy, recipe)
+        for _ in range(30):
+            step()
+        host, dev = host_and_device_ms(step, 400)
+        print(f"{label}: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
+    for label, reuse in (("full", False), ("reused", True)):
+        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        if reuse:
+            layer.is_first_microbatch = True
+        step = train_step(layer, x, dy, recipe)
+        for _ in range(30):
+            step()
+        print(f"--- {label} ---\n{own_time_profile(step, 300, 16)}")
+
+
+def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
+    """The GPU's kernel time per step (torch.profiler): whether a step is bound by its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t, k, n = 256, 2048, 2048
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    if reuse:
+        layer.is_first_microbatch = True
+    step = train_step(layer, x, dy, PRESETS[recipe_name])
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in events) / steps
+    print(f"{recipe_name} {'reused' if reuse else 'full'}: GPU kernel time {total:.1f} us per step, "
+          f"{len(events) / steps:.1f} kernels")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "kernels":
+        for name in ("current", "blockwise"):
+            for reuse in (False, True):
+                kernels(name, reuse)
+    else:
+        main()
