@@ -1,0 +1,82 @@
+"""Probe: do a current-scaling step's host calls cost more one after another than each repeated
+alone? (run AL found a step's routes dearer inside the step than in loops of their own). Host
+us per iteration of loops that repeat one route, and of loops that alternate routes, on a GPU.
+
+    python scripts/probes/host_interleave.py [--calls 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+import torch  # noqa: E402
+from benchlib import train_step, wall_us  # noqa: E402
+
+import megatron_fp8 as mf  # noqa: E402
+from megatron_fp8.ops.lean import lean_cast  # noqa: E402
+from megatron_fp8.recipe import PRESETS  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=3000)
+    args = ap.parse_args()
+    t, k, n = 256, 2048, 2048
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    train_step(layer, x, dy, PRESETS["current"])()
+    q = next(iter(layer._quantizers.values()))
+    plan = next(p for p in q._plans.values() if p is not None)
+    w = layer.weight.detach()
+    wq = lean_cast(q.weight, w)
+    x2d = x.detach()
+    xr, xrs, xc, xcs, _ = plan.cast_x(x2d)
+    dyr, dyrs, dyc, dycs, _ = plan.dy_route(dy)
+    wr, wc = wq.rowwise, wq.columnwise
+    xb, wb = x2d, w
+    ops: dict[str, Callable[[], object]] = {
+        "cast x": lambda: plan.cast_x(x2d),
+        "cast dy": lambda: plan.dy_route(dy),
+        "cast w": lambda: lean_cast(q.weight, w),
+        "fprop": lambda: plan.fprop(xr, xrs, wr.data, wr.scale_inv),
+        "dgrad": lambda: plan.dgrad(dyr, dyrs, wc.data, wc.scale_inv),
+        "wgrad": lambda: plan.wgrad_gemm(dyc, dycs, xc, xcs),
+        "bf16 mm": lambda: torch.mm(xb, wb.t()),
+        "empty": lambda: torch.empty((t, k), dtype=torch.float8_e4m3fn, device="cuda"),
+    }
+
+    def seq(*names: str) -> Callable[[], None]:
+        fns = [ops[nm] for nm in names]
+
+        def run() -> None:
+            for f in fns:
+                f()
+        return run
+    combos = [("cast x",), ("fprop",), ("bf16 mm",), ("cast dy",), ("dgrad",), ("wgrad",), ("cast w",), ("empty",),
+              ("cast x", "fprop"), ("cast x", "bf16 mm"), ("fprop", "bf16 mm"), ("cast x", "cast dy"),
+              ("fprop", "dgrad"), ("bf16 mm", "bf16 mm"), ("fprop", "fprop"), ("cast x", "cast x"),
+              ("cast x", "fprop", "cast dy", "dgrad", "wgrad"),
+              ("cast w", "cast x", "fprop", "cast dy", "dgrad", "wgrad")]
+    alone: dict[str, float] = {}
+    rows = []
+    for rnd in range(2):
+        for combo in combos:
+            us = wall_us(seq(*combo), args.calls, 50)
+            torch.cuda.synchronize()
+            if len(combo) == 1:
+                alone[combo[0]] = us
+            rows.append((rnd, " + ".join(combo), us, sum(alone.get(c, float("nan")) for c in combo)))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| round | loop body | host us per iteration | sum of the parts alone |\n|---|---|---|---|")
+    for rnd, name, us, parts in rows:
+        print(f"| {rnd} | {name} | {us:.1f} | {parts:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
