@@ -22,9 +22,51 @@ from megatron_fp8.ops.lean import lean_cast  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 
+def _threads(ops: dict[str, Callable[[], object]], calls: int, x: torch.Tensor) -> None:
+    """Host us per call of each route looped on the main thread, inside an autograd backward
+    (the engine's device thread, where a step's backward launches) and in a Python thread."""
+    import threading
+    import time
+
+    def loop(fn: Callable[[], object]) -> float:
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / calls
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t: torch.Tensor, fn: Callable[[], object], out: list[float]) -> torch.Tensor:  # type: ignore[override]
+            ctx.fn, ctx.out = fn, out
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+            ctx.out.append(loop(ctx.fn))
+            return g, None, None
+
+    print("| route | main thread | autograd backward | Python thread |\n|---|---|---|---|")
+    for rnd in range(2):
+        for name in ("cast x", "cast dy", "fprop", "dgrad", "bf16 mm", "empty"):
+            fn = ops[name]
+            main_us = loop(fn)
+            got: list[float] = []
+            InBackward.apply(x, fn, got).sum().backward()
+            th: list[float] = []
+            worker = threading.Thread(target=lambda th=th, fn=fn: th.append(loop(fn)))
+            worker.start()
+            worker.join()
+            torch.cuda.synchronize()
+            print(f"| {name} (round {rnd}) | {main_us:.1f} | {got[0]:.1f} | {th[0]:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--threads", action="store_true",
+                    help="the same loops on the main thread, in an autograd backward, in a Python thread")
     args = ap.parse_args()
     t, k, n = 256, 2048, 2048
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -58,6 +100,9 @@ def main() -> None:
             for f in fns:
                 f()
         return run
+    if args.threads:
+        _threads(ops, args.calls, x)
+        return
     combos = [("cast x",), ("fprop",), ("bf16 mm",), ("cast dy",), ("dgrad",), ("wgrad",), ("cast w",), ("empty",),
               ("cast x", "fprop"), ("cast x", "bf16 mm"), ("fprop", "bf16 mm"), ("cast x", "cast dy"),
               ("fprop", "dgrad"), ("bf16 mm", "bf16 mm"), ("fprop", "fprop"), ("cast x", "cast x"),
