@@ -6,10 +6,13 @@ reused" pass ``is_first_microbatch=False``, as Megatron's loop does after an ite
 micro-batch (a diagnostic beside the issue's rows).
 
 On CUDA, host time is the wall time of issuing ``--calls`` back-to-back steps (the GPU is not
-waited on; device time is given beside it: host >= device means the step is launch-bound). On
+waited on; device time is given beside it: host >= device means the step is launch-bound; 100
+steps a row by default). On
 a CPU there is no asynchronous device: the wall time per step is printed (a proxy for Python and
 dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
-measurement in N fresh processes and prints the median of each cell. The rows marked "general
+measurement in N fresh processes and prints the median of each host time, and of each row's
+ratio to the reference measured in its own process (with the range over the processes: the
+host's speed moves between rounds and machines, docs/benchmarks.md run AL). The rows marked "general
 path" run our ``Linear`` and ``GroupedLinear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager paths), for the
 comparison in the same processes; on CUDA the rows "CUDA graphs" run it with ``MEGATRON_FP8_GRAPHS=1``
 (ops/graphed.py: each step replays the layer's captured forward and backward).
@@ -163,19 +166,35 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     return rows
 
 
+def _reference(label: str, labels: list[str]) -> str | None:
+    """The BF16 row a row is compared with: ``torch._grouped_mm`` for the grouped rows, else
+    ``nn.Linear``; None where that row was not measured (no ``_grouped_mm`` on CPU)."""
+    if "Grouped" in label or "_grouped_mm" in label:
+        return next((lab for lab in labels if lab.startswith("BF16 torch._grouped_mm")), None)
+    return "BF16 nn.Linear"
+
+
 def _table(runs: list[list[tuple[str, float, float]]]) -> str:
+    """Host us (median over the processes) and the ratio to the row's BF16 reference: each
+    process's own ratio (the host's speed moved up to 2x between machines and ~30% between
+    rounds on one, docs/benchmarks.md run AL, so a row is compared with the reference measured in
+    its own process), the median over the processes, and their range where there are several."""
     labels = [r[0] for r in runs[0]]
     host = {lab: statistics.median(run[i][1] for run in runs) for i, lab in enumerate(labels)}
     dev = {lab: statistics.median(run[i][2] for run in runs) for i, lab in enumerate(labels)}
-    linear_ref = host["BF16 nn.Linear"]
-    grouped_ref = next((host[lab] for lab in labels if lab.startswith("BF16 torch._grouped_mm")), None)
     out = []
     for lab in labels:
-        ref = grouped_ref if "Grouped" in lab or "_grouped_mm" in lab else linear_ref
-        ratio = f"{host[lab] / ref:.2f}x" if ref else "n/a"
+        ref = _reference(lab, labels)
+        if ref is None:
+            ratio = "n/a"
+        else:
+            ratios = [vals[lab] / vals[ref] for vals in ({r[0]: r[1] for r in run} for run in runs)]
+            ratio = f"{statistics.median(ratios):.2f}x"
+            if len(ratios) > 1:
+                ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         out.append([lab, f"{host[lab]:.0f}", f"{dev[lab]:.0f}" if CUDA else "-", ratio])
     what = "host us per fwd+bwd" if CUDA else "wall us per fwd+bwd (CPU)"
-    return markdown_table(["layer", what, "device us", "vs its BF16 reference"], out)
+    return markdown_table(["layer", what, "device us", "vs its BF16 reference (per process: median, range)"], out)
 
 
 def main() -> None:
@@ -184,7 +203,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--calls", type=int, default=20, help="steps timed back to back")
+    p.add_argument("--calls", type=int, default=100, help="steps timed back to back")
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
     p.add_argument("--out", default=None, help="also write the table to DIR/profile_host.md (scripts/probes/ab_env.py)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's rows, for the parent

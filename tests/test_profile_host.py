@@ -48,6 +48,23 @@ def test_router_splits_cover_every_token_and_change_every_step() -> None:
         assert any(s % 16 for splits in steps for s in splits)
 
 
+def test_ratios_are_taken_within_each_process() -> None:
+    """A host that ran slower in one process: each row is compared with the reference measured in
+    its own process, and the range over the processes is printed beside the median."""
+    runs = [[("BF16 nn.Linear", 100.0, 1.0), ("our Linear, current", 300.0, 1.0)],
+            [("BF16 nn.Linear", 200.0, 1.0), ("our Linear, current", 400.0, 1.0)],
+            [("BF16 nn.Linear", 150.0, 1.0), ("our Linear, current", 390.0, 1.0)]]
+    table = profile_host._table(runs)
+    row = re.search(r"^\| our Linear, current \| (\d+) \| .* \| (.+) \|$", table, re.M)
+    assert row, table
+    assert row.group(1) == "390"  # the median host time
+    assert row.group(2) == "2.60x (2.00-3.00)"  # per-process ratios 3.0, 2.0, 2.6 (ratio of medians: 2.60 too)
+    runs[2] = [("BF16 nn.Linear", 120.0, 1.0), ("our Linear, current", 390.0, 1.0)]
+    assert "3.00x (2.00-3.25)" in profile_host._table(runs)  # not 390 / 120 = 3.25x of the medians
+    one = profile_host._table(runs[:1])
+    assert "3.00x |" in one and "(" not in one.split("our Linear, current")[1]
+
+
 def test_sizes_the_block_recipes_refuse_are_named() -> None:
     out = _run("--k", "100")
     assert out.returncode != 0 and "--k=100" in out.stderr and "multiple of 128" in out.stderr
