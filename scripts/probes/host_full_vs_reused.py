@@ -2,7 +2,10 @@
 time of one that reuses it (run AL: 618 vs 294 us on an H100, where the weight cast's route alone
 takes 33 us). Host and device us of both, with the one-launch cast on and off, and cProfiles.
 
-    python scripts/probes/host_full_vs_reused.py
+    python scripts/probes/host_full_vs_reused.py              # host/device us, cProfiles
+    python scripts/probes/host_full_vs_reused.py kernels      # GPU kernel time per step (torch.profiler)
+    python scripts/probes/host_full_vs_reused.py gc           # with the garbage collector on and off
+    python scripts/probes/host_full_vs_reused.py spin full 8  # 8 s of steps, for a sampling profiler
 """
 
 from __future__ import annotations
@@ -21,19 +24,11 @@ from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 
 def main() -> None:
+    main_steps(4)
     t, k, n = 256, 2048, 2048
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     recipe = PRESETS[os.environ.get("RECIPE", "current")]
-    for label, reuse in (("full", False), ("reused", True), ("full", False), ("reused", True)):
-        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-        if reuse:
-            layer.is_first_microbatch = True
-        step = train_step(layer, x, dy, recipe)
-        for _ in range(30):
-            step()
-        host, dev = host_and_device_ms(step, 400)
-        print(f"{label}: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
     for label, reuse in (("full", False), ("reused", True)):
         layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
         if reuse:
@@ -42,6 +37,28 @@ def main() -> None:
         for _ in range(30):
             step()
         print(f"--- {label} ---\n{own_time_profile(step, 300, 16)}")
+
+
+def main_steps(rounds: int) -> None:
+    """Host and device us per step, weight cast every step and reused, alternated; BF16 beside."""
+    t, k, n = 256, 2048, 2048
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    ref = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda")
+    for label, reuse in [("full", False), ("reused", True)] * (rounds // 2) + [("bf16", None)]:
+        if reuse is None:
+            host, dev = host_and_device_ms(train_step(ref, x, dy), 400)
+            print(f"nn.Linear: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
+            continue
+        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        if reuse:
+            layer.is_first_microbatch = True
+        step = train_step(layer, x, dy, recipe)
+        for _ in range(30):
+            step()
+        host, dev = host_and_device_ms(step, 400)
+        print(f"{label}: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
 
 
 def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
@@ -70,7 +87,35 @@ def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "kernels":
+    if len(sys.argv) > 1 and sys.argv[1] == "spin":  # for a sampling profiler: steps for a while
+        import time
+
+        which, seconds = sys.argv[2], float(sys.argv[3])
+        t, k, n = 256, 2048, 2048
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        if which == "bf16":
+            step = train_step(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda"), x, dy)
+        else:
+            layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+            layer.is_first_microbatch = True if which == "reused" else None
+            step = train_step(layer, x, dy, PRESETS[os.environ.get("RECIPE", "current")])
+        end, count = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            for _ in range(50):
+                step()
+            count += 50
+        torch.cuda.synchronize()
+        print(f"{which}: {seconds * 1e6 / count:.1f} us per step")
+    elif len(sys.argv) > 1 and sys.argv[1] == "gc":
+        import gc
+
+        for state in ("on", "off", "on", "off"):
+            (gc.enable if state == "on" else gc.disable)()
+            print(f"garbage collector {state}:")
+            main_steps(2)
+        gc.enable()
+    elif len(sys.argv) > 1 and sys.argv[1] == "kernels":
         for name in ("current", "blockwise"):
             for reuse in (False, True):
                 kernels(name, reuse)
