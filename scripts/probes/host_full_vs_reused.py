@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
@@ -23,41 +24,42 @@ import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """x [256, 2048] (requiring grad) and dy [256, 2048], BF16 on the GPU."""
+    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return x, torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+
+
+def _warm_step(x: torch.Tensor, dy: torch.Tensor, recipe: object, reuse: bool) -> Callable[[], None]:
+    """A new ``Linear``'s fwd+bwd step (weight cast every step, or ``reuse``d), run 30 times."""
+    layer = mf.Linear(x.shape[1], dy.shape[1], bias=False, params_dtype=torch.bfloat16, device="cuda")
+    if reuse:
+        layer.is_first_microbatch = True
+    step = train_step(layer, x, dy, recipe)
+    for _ in range(30):
+        step()
+    return step
+
+
 def main() -> None:
     main_steps(4)
-    t, k, n = 256, 2048, 2048
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    x, dy = _inputs()
     recipe = PRESETS[os.environ.get("RECIPE", "current")]
     for label, reuse in (("full", False), ("reused", True)):
-        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-        if reuse:
-            layer.is_first_microbatch = True
-        step = train_step(layer, x, dy, recipe)
-        for _ in range(30):
-            step()
-        print(f"--- {label} ---\n{own_time_profile(step, 300, 16)}")
+        print(f"--- {label} ---\n{own_time_profile(_warm_step(x, dy, recipe, reuse), 300, 16)}")
 
 
 def main_steps(rounds: int) -> None:
     """Host and device us per step, weight cast every step and reused, alternated; BF16 beside."""
-    t, k, n = 256, 2048, 2048
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    x, dy = _inputs()
     recipe = PRESETS[os.environ.get("RECIPE", "current")]
-    ref = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda")
+    ref = torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device="cuda")
     for label, reuse in [("full", False), ("reused", True)] * (rounds // 2) + [("bf16", None)]:
         if reuse is None:
             host, dev = host_and_device_ms(train_step(ref, x, dy), 400)
             print(f"nn.Linear: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
             continue
-        layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-        if reuse:
-            layer.is_first_microbatch = True
-        step = train_step(layer, x, dy, recipe)
-        for _ in range(30):
-            step()
-        host, dev = host_and_device_ms(step, 400)
+        host, dev = host_and_device_ms(_warm_step(x, dy, recipe, reuse), 400)
         print(f"{label}: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
 
 
@@ -65,15 +67,8 @@ def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
     """The GPU's kernel time per step (torch.profiler): whether a step is bound by its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    t, k, n = 256, 2048, 2048
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    if reuse:
-        layer.is_first_microbatch = True
-    step = train_step(layer, x, dy, PRESETS[recipe_name])
-    for _ in range(30):
-        step()
+    x, dy = _inputs()
+    step = _warm_step(x, dy, PRESETS[recipe_name], reuse)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -91,15 +86,11 @@ if __name__ == "__main__":
         import time
 
         which, seconds = sys.argv[2], float(sys.argv[3])
-        t, k, n = 256, 2048, 2048
-        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        x, dy = _inputs()
         if which == "bf16":
-            step = train_step(torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda"), x, dy)
+            step = train_step(torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device="cuda"), x, dy)
         else:
-            layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-            layer.is_first_microbatch = True if which == "reused" else None
-            step = train_step(layer, x, dy, PRESETS[os.environ.get("RECIPE", "current")])
+            step = _warm_step(x, dy, PRESETS[os.environ.get("RECIPE", "current")], which == "reused")
         end, count = time.perf_counter() + seconds, 0
         while time.perf_counter() < end:
             for _ in range(50):
