@@ -287,11 +287,11 @@ def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Ten
     gradient accumulators, which an earlier eager step made on the default stream and which stay
     alive while that step's autograd graph does: syncing with one of those inside a capture is
     what failed a process's first capture (run AJ: PyTorch's stream-mismatch warning)."""
-    w = weight.view_as(weight)
+    w = weight.detach().requires_grad_(weight.requires_grad)
     for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):  # what the fused wgrad reads
         if hasattr(weight, name):
             setattr(w, name, getattr(weight, name))
-    return w, (bias.view_as(bias) if bias is not None else None)
+    return w, (bias.detach().requires_grad_(bias.requires_grad) if bias is not None else None)
 
 
 def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
@@ -320,12 +320,13 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
-    with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, capture_error_mode="thread_local"):
+    with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, stream=side,
+                                                        capture_error_mode="thread_local"):
         w, b = _aliases(weight, bias)
         g.y_s = run(x_s, g.w_s, w, b)
     g.dy_s = torch.empty_like(g.y_s)
     with _isolated() as bwd_gemms, _kept_flag(weight), \
-            torch.cuda.graph(g.bwd, pool=pool, capture_error_mode="thread_local"):
+            torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
         grads = [next(got) if w else None for w in g.wants]
     # backward hands autograd these same objects every time: held here too, autograd never takes
