@@ -270,7 +270,7 @@ def _recover_rng() -> bool:
         return False
 
 
-def _capture(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+def _capture(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str, fused: bool) -> LinearGraph:
     _capturing.append(True)
     try:
@@ -279,7 +279,22 @@ def _capture(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: to
         _capturing.pop()
 
 
-def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor,
+def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of the weight and bias made on the current stream (Megatron's ``main_grad`` attributes
+    carried over): what a
+    capture's (or its warm-up's) autograd graph reaches instead of the parameters themselves.
+    Their gradients are taken at the views, so the backward never reaches the parameters' own
+    gradient accumulators, which an earlier eager step made on the default stream and which stay
+    alive while that step's autograd graph does: syncing with one of those inside a capture is
+    what failed a process's first capture (run AJ: PyTorch's stream-mismatch warning)."""
+    w = weight.detach().requires_grad_(weight.requires_grad)
+    for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):  # what the fused wgrad reads
+        if hasattr(weight, name):
+            setattr(w, name, getattr(weight, name))
+    return w, (bias.detach().requires_grad_(bias.requires_grad) if bias is not None else None)
+
+
+def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
                  fused: bool) -> LinearGraph:
     g = LinearGraph(owner)
@@ -289,24 +304,30 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
     x_s.requires_grad_(x.requires_grad)
     g.x_s, g.w_s = x_s, _static_copy(w_fp8)
     g.wants = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    inputs = [t for t, w in zip((x_s, weight, bias), g.wants, strict=True) if w]
-    assert all(t is not None for t in inputs)
+
+    def inputs(w: torch.Tensor, b: torch.Tensor | None) -> list[torch.Tensor]:
+        got = [t for t, want in zip((x_s, w, b), g.wants, strict=True) if want]
+        assert all(t is not None for t in got)
+        return got
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with _isolated(), _scratch_main_grad(weight), as_captured(), torch.cuda.stream(side):
         for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
-            y = run(x_s, g.w_s)
-            torch.autograd.grad(y, inputs, y, allow_unused=True)
-        del y  # the warm-ups' outputs are not kept through the captures
+            w, b = _aliases(weight, bias)
+            y = run(x_s, g.w_s, w, b)
+            torch.autograd.grad(y, inputs(w, b), y, allow_unused=True)
+        del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
-    with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, capture_error_mode="thread_local"):
-        g.y_s = run(x_s, g.w_s)
+    with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, stream=side,
+                                                        capture_error_mode="thread_local"):
+        w, b = _aliases(weight, bias)
+        g.y_s = run(x_s, g.w_s, w, b)
     g.dy_s = torch.empty_like(g.y_s)
     with _isolated() as bwd_gemms, _kept_flag(weight), \
-            torch.cuda.graph(g.bwd, pool=pool, capture_error_mode="thread_local"):
-        got = iter(torch.autograd.grad(g.y_s, inputs, g.dy_s, retain_graph=True, allow_unused=True))
+            torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+        got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
         grads = [next(got) if w else None for w in g.wants]
     # backward hands autograd these same objects every time: held here too, autograd never takes
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
@@ -315,7 +336,7 @@ def _capture_now(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x
     return g
 
 
-def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, fused: bool, comm: Any,
                held: int) -> LinearGraph | None:
     """A new signature's graph, or None (warned once, naming the layer and why) where it runs eagerly."""
@@ -333,7 +354,7 @@ def _new_graph(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: 
             torch.cuda.set_stream(caller)
 
 
-def _capture_tried_twice(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor,
+def _capture_tried_twice(run: Callable[..., torch.Tensor], x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
                          fused: bool) -> LinearGraph | None:
     """``_capture``, tried once more where it fails (a process's first capture failed once on the
@@ -393,7 +414,7 @@ def _where(exc: BaseException) -> str:
     return " at " + " ".join(said)
 
 
-def graph_for(run: Callable[[torch.Tensor, QuantizedTensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+def graph_for(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any, soi: bool, fused: bool,
               comm: Any) -> LinearGraph | None:
     """The layer's graph for this call (captured at its first call), or None where the call runs

@@ -366,9 +366,11 @@ def linear(
     if quantizers is not None:  # a per-layer CUDA graph (opt-in), else the lean path's plan, where it has one
         assert w_fp8 is not None
 
-        def run(x_s: torch.Tensor, w_s: QuantizedTensor) -> torch.Tensor:  # what the graph captures
-            return linear(x_s, weight, bias, w_fp8=w_s, quantizers=quantizers, save_original_input=save_original_input,
-                          fuse_wgrad_accumulation=fuse_wgrad_accumulation, comm=comm)
+        def run(x_s: torch.Tensor, w_s: QuantizedTensor, weight_s: torch.Tensor = weight,
+                bias_s: torch.Tensor | None = bias) -> torch.Tensor:  # what the graph captures
+            return linear(x_s, weight_s, bias_s, w_fp8=w_s, quantizers=quantizers,
+                          save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                          comm=comm)
         graph = graph_for(run, x, weight, bias, w_fp8, quantizers, save_original_input, fuse_wgrad_accumulation,
                           comm)
         if graph is not None:
