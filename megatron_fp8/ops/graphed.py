@@ -280,13 +280,13 @@ def _capture(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Te
 
 
 def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Views of the weight and bias made on the current stream (Megatron's ``main_grad`` attributes
-    carried over): what a
-    capture's (or its warm-up's) autograd graph reaches instead of the parameters themselves.
-    Their gradients are taken at the views, so the backward never reaches the parameters' own
-    gradient accumulators, which an earlier eager step made on the default stream and which stay
-    alive while that step's autograd graph does: syncing with one of those inside a capture is
-    what failed a process's first capture (run AJ: PyTorch's stream-mismatch warning)."""
+    """Leaves sharing the weight's and bias's storage (Megatron's ``main_grad`` attributes carried
+    over): what a capture's (or its warm-up's) autograd graph reaches instead of the parameters.
+    Their gradients are taken there, so the capture's backward never reaches the parameters' own
+    gradient accumulators, which an earlier eager step made on the default stream (PyTorch warned
+    of that stream mismatch in the capture, run AK). With them the warning is gone, but a
+    process's first capture still failed once on an H100 and its retry held (run AL): that
+    failure has another cause."""
     w = weight.detach().requires_grad_(weight.requires_grad)
     for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):  # what the fused wgrad reads
         if hasattr(weight, name):
