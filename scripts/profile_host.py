@@ -147,12 +147,14 @@ def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     add("our GroupedLinear, FP8 off, even splits", _fwd_bwd(grouped, xe, dye, None, even))
     for name in ("current", "blockwise"):
         add(f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped, xe, dye, PRESETS[name], even))
-    add("our GroupedLinear, current, router splits", _routed_step(grouped, xe, dye, PRESETS["current"], _routed(t, e)))
+    for name in ("current", "blockwise"):
+        add(f"our GroupedLinear, {name}, router splits", _routed_step(grouped, xe, dye, PRESETS[name], _routed(t, e)))
     for name in ("current", "blockwise"):  # the same without the lean grouped path (ops/lean_grouped.py)
         add(f"our GroupedLinear, {name}, even splits, general path",
             _general(_fwd_bwd(grouped, xe, dye, PRESETS[name], even)))
-    add("our GroupedLinear, current, router splits, general path",
-        _general(_routed_step(grouped, xe, dye, PRESETS["current"], _routed(t, e))))
+    for name in ("current", "blockwise"):
+        add(f"our GroupedLinear, {name}, router splits, general path",
+            _general(_routed_step(grouped, xe, dye, PRESETS[name], _routed(t, e))))
     if CUDA:  # the experimental per-layer CUDA graphs (ops/graphed.py), last: a failed capture may end the process
         for name in ("current", "blockwise"):
             graphed = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)

@@ -32,10 +32,11 @@ def test_table_from_two_processes(tmp_path: Path) -> None:
                   "our Linear, delayed, weight cast reused",
                   "our GroupedLinear, FP8 off, even splits",
                   "our GroupedLinear, current, even splits", "our GroupedLinear, blockwise, even splits",
-                  "our GroupedLinear, current, router splits",
+                  "our GroupedLinear, current, router splits", "our GroupedLinear, blockwise, router splits",
                   "our GroupedLinear, current, even splits, general path",
                   "our GroupedLinear, blockwise, even splits, general path",
-                  "our GroupedLinear, current, router splits, general path"):
+                  "our GroupedLinear, current, router splits, general path",
+                  "our GroupedLinear, blockwise, router splits, general path"):
         row = re.search(rf"^\| {re.escape(label)} \| (\d+) \|", out.stdout, re.M)
         assert row and int(row.group(1)) > 0, f"{label} missing or zero:\n{out.stdout}"
 
