@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostfloor|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -36,6 +36,15 @@ for what in "${steps[@]}"; do
     # against torch._grouped_mm first: same GEMMs, 6.5x the host time in run AD) and Linear
     hostwhy) (cd scripts/probes && python3 host_breakdown.py grouped-bf16 grouped-off grouped-current grouped-blockwise \
         bf16 current --steps 30 --rows 40) 2>&1 | tee "$OUT/host_breakdown.log" ;;
+    # the host floor of an eager Linear step (run AL): raw ops from Python and C++, routes, glue, the
+    # minimal autograd function, alternated routes, kernel time per step; then, where py-spy was
+    # carried (.whl/py_spy-*.whl), native stacks at 100 Hz of steps with the weight cast and reused
+    hostfloor) (cd scripts/probes && timeout 200 python3 host_floor.py --calls 2000 && timeout 120 python3 host_interleave.py \
+        && timeout 120 python3 host_full_vs_reused.py kernels) 2>&1 | tee "$OUT/host_floor.log"
+      if [ -x /tmp/site/bin/py-spy ]; then for w in full reused bf16; do
+        timeout 90 /tmp/site/bin/py-spy record --native --rate 100 --format raw -o "$OUT/pyspy_$w.txt" -- \
+          python3 scripts/probes/host_full_vs_reused.py spin $w 5 2>&1 | tail -2; done
+      else echo "hostfloor: no py-spy under /tmp/site (carry its wheel in .whl)"; fi ;;
     # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
     hostab) (cd scripts/probes && python3 ab_env.py --set MEGATRON_FP8_BLOCK_GEMM=torch --set MEGATRON_FP8_BLOCK_GEMM=cublaslt \
         --rounds 3 --key layer --column "host us per fwd+bwd" --match "Linear" -- ../profile_host.py) 2>&1 | tee "$OUT/ab_block_gemm.log" ;;
