@@ -40,7 +40,7 @@ for what in "${steps[@]}"; do
     # minimal autograd function, alternated routes, kernel time per step; then, where py-spy was
     # carried (.whl/py_spy-*.whl), native stacks at 100 Hz of steps with the weight cast and reused
     hostfloor) (cd scripts/probes && timeout 200 python3 host_floor.py --calls 2000 && timeout 120 python3 host_interleave.py \
-        && timeout 120 python3 host_full_vs_reused.py kernels) 2>&1 | tee "$OUT/host_floor.log"
+        && timeout 120 python3 host_full_vs_reused.py kernels && timeout 120 python3 host_full_vs_reused.py isolate) 2>&1 | tee "$OUT/host_floor.log"
       if [ -x /tmp/site/bin/py-spy ]; then for w in full reused bf16; do
         timeout 90 /tmp/site/bin/py-spy record --native --rate 100 --format raw -o "$OUT/pyspy_$w.txt" -- \
           python3 scripts/probes/host_full_vs_reused.py spin $w 5 2>&1 | tail -2; done

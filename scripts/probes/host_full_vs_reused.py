@@ -5,6 +5,7 @@ takes 33 us). Host and device us of both, with the one-launch cast on and off, a
     python scripts/probes/host_full_vs_reused.py              # host/device us, cProfiles
     python scripts/probes/host_full_vs_reused.py kernels      # GPU kernel time per step (torch.profiler)
     python scripts/probes/host_full_vs_reused.py gc           # with the garbage collector on and off
+    python scripts/probes/host_full_vs_reused.py isolate      # reused steps plus a weight cast dropped / kept
     python scripts/probes/host_full_vs_reused.py spin full 8  # 8 s of steps, for a sampling profiler
 """
 
@@ -18,27 +19,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
-from benchlib import host_and_device_ms, own_time_profile, train_step  # noqa: E402
+from benchlib import host_and_device_ms, own_time_profile, train_step, wall_us  # noqa: E402
 
 import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
+DEVICE = os.environ.get("PROBE_DEVICE", "cuda")  # "cpu" (with MEGATRON_FP8_LEAN=1): a smoke run of the plumbing
+
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    """x [256, 2048] (requiring grad) and dy [256, 2048], BF16 on the GPU."""
-    x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    return x, torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+    """x [256, 2048] (requiring grad) and dy [256, 2048], BF16 on ``DEVICE``."""
+    x = torch.randn(256, 2048, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    return x, torch.randn(256, 2048, device=DEVICE, dtype=torch.bfloat16)
 
 
-def _warm_step(x: torch.Tensor, dy: torch.Tensor, recipe: object, reuse: bool) -> Callable[[], None]:
-    """A new ``Linear``'s fwd+bwd step (weight cast every step, or ``reuse``d), run 30 times."""
-    layer = mf.Linear(x.shape[1], dy.shape[1], bias=False, params_dtype=torch.bfloat16, device="cuda")
+def _warm(x: torch.Tensor, dy: torch.Tensor, recipe: object, reuse: bool) -> tuple[Callable[[], None], mf.Linear]:
+    """A new ``Linear`` and its fwd+bwd step (weight cast every step, or ``reuse``d), run 30 times."""
+    layer = mf.Linear(x.shape[1], dy.shape[1], bias=False, params_dtype=torch.bfloat16, device=x.device)
     if reuse:
         layer.is_first_microbatch = True
     step = train_step(layer, x, dy, recipe)
-    for _ in range(30):
+    for _ in range(30 if x.is_cuda else 1):
         step()
-    return step
+    return step, layer
+
+
+def _warm_step(x: torch.Tensor, dy: torch.Tensor, recipe: object, reuse: bool) -> Callable[[], None]:
+    return _warm(x, dy, recipe, reuse)[0]
 
 
 def main() -> None:
@@ -61,6 +68,37 @@ def main_steps(rounds: int) -> None:
             continue
         host, dev = host_and_device_ms(_warm_step(x, dy, recipe, reuse), 400)
         print(f"{label}: host {host * 1e3:.1f} us, device {dev * 1e3:.1f} us per step")
+
+
+def isolate(rounds: int = 2) -> None:
+    """Where the full step's excess lives (run AL's open question): reused steps plus a weight
+    cast whose result is dropped at once, or kept (not saved for backward) until the next step's;
+    against the full and reused steps. Host us per step, in one process, alternated."""
+    from megatron_fp8.ops.lean import lean_cast
+
+    x, dy = _inputs()
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    kept: list[object] = []
+
+    def with_cast(keep: bool) -> Callable[[], None]:
+        step, layer = _warm(x, dy, recipe, True)
+        q = layer._quantizers["weight"]
+        w = layer.weight
+
+        def run() -> None:
+            with torch.no_grad():
+                qt = lean_cast(q.weight, w)
+            if keep:
+                kept[:] = [qt]
+            step()
+        return run
+    cases = {"full": lambda: _warm_step(x, dy, recipe, False), "reused": lambda: _warm_step(x, dy, recipe, True),
+             "reused + cast dropped": lambda: with_cast(False), "reused + cast kept a step": lambda: with_cast(True)}
+    for rnd in range(rounds):
+        for name, make in cases.items():
+            step = make()
+            host = host_and_device_ms(step, 400)[0] * 1e3 if x.is_cuda else wall_us(step, 3)
+            print(f"round {rnd}: {name}: host {host:.1f} us per step")
 
 
 def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
@@ -98,6 +136,8 @@ if __name__ == "__main__":
             count += 50
         torch.cuda.synchronize()
         print(f"{which}: {seconds * 1e6 / count:.1f} us per step")
+    elif len(sys.argv) > 1 and sys.argv[1] == "isolate":
+        isolate()
     elif len(sys.argv) > 1 and sys.argv[1] == "gc":
         import gc
 
