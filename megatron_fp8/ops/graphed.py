@@ -203,13 +203,13 @@ def _isolated() -> Iterator[list[gemm_mod.GemmCall]]:
 @contextlib.contextmanager
 def _scratch_main_grad(weight: torch.Tensor) -> Iterator[None]:
     """Warm-up calls add their wgrad into a scratch ``main_grad``, not the real one (Megatron's
-    gradient-accumulation fusion), and leave ``grad_added_to_main_grad`` as it was."""
+    gradient-accumulation fusion): ``_aliases`` hands the scratch one on. (The flag a fused wgrad
+    sets, ``grad_added_to_main_grad``, lands on the aliases, never on the weight.)"""
     real = getattr(weight, "main_grad", None)
     if real is not None:
         weight.main_grad = torch.zeros_like(real)  # type: ignore[attr-defined]
     try:
-        with _kept_flag(weight):
-            yield
+        yield
     finally:
         if real is not None:
             weight.main_grad = real  # type: ignore[attr-defined]
@@ -223,17 +223,6 @@ def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
         return None if o is None else replace(o, data=o.data.clone(), scale_inv=o.scale_inv.clone())
     return replace(qt, rowwise=op(qt.rowwise), columnwise=op(qt.columnwise),
                    scale=qt.scale.clone() if qt.scale is not None else None)
-
-
-@contextlib.contextmanager
-def _kept_flag(weight: torch.Tensor) -> Iterator[None]:
-    """A capture's fused wgrad sets ``grad_added_to_main_grad`` without adding anything: undone."""
-    flag = getattr(weight, "grad_added_to_main_grad", None)
-    try:
-        yield
-    finally:
-        if flag is not None:
-            weight.grad_added_to_main_grad = flag  # type: ignore[attr-defined]
 
 
 _capturing: list[bool] = []  # a capture (or its warm-up) of ours is under way: its calls run eagerly
@@ -325,8 +314,7 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         w, b = _aliases(weight, bias)
         g.y_s = run(x_s, g.w_s, w, b)
     g.dy_s = torch.empty_like(g.y_s)
-    with _isolated() as bwd_gemms, _kept_flag(weight), \
-            torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+    with _isolated() as bwd_gemms, torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
         grads = [next(got) if w else None for w in g.wants]
     # backward hands autograd these same objects every time: held here too, autograd never takes
