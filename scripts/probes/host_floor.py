@@ -26,7 +26,6 @@ import torch  # noqa: E402
 from benchlib import train_step, wall_us  # noqa: E402
 
 import megatron_fp8 as mf  # noqa: E402
-from megatron_fp8.ops import routes  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 _CPP = r"""
@@ -54,20 +53,16 @@ std::vector<double> floor_ops(at::Tensor a, at::Tensor b, at::Tensor s, at::Tens
 """
 
 
-def _stub_routes() -> None:
-    def cast(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> Any:
-        m, k = x.shape
-        row = torch.empty(m, k, dtype=q.fp8_dtype, device=x.device)
-        col = torch.empty(k, m, dtype=q.fp8_dtype, device=x.device)
-        s = torch.ones((), device=x.device)
-        return lambda x: (row, s, col, s, s)
+def planned_linear(recipe: str, x: torch.Tensor, dy: torch.Tensor) -> tuple[Any, Any, Any]:
+    """``(layer, plan, w_fp8)``: a new ``Linear`` after one real step, the lean plan that step
+    made (``plan.q``: its quantizers) and the weight's FP8 cast."""
+    from megatron_fp8.ops.lean import lean_cast
 
-    def gemm(name: str, a: Any, b: Any, out_dtype: torch.dtype, fast_accum: bool) -> Any:
-        out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
-        return lambda a, sa, b, sb: out
-
-    routes._fast_cast = cast  # type: ignore[assignment]
-    routes.gemm_route = gemm  # type: ignore[assignment]
+    layer = mf.Linear(x.shape[-1], dy.shape[-1], bias=False, params_dtype=torch.bfloat16, device=x.device)
+    train_step(layer, x, dy, PRESETS[recipe])()
+    q = next(iter(layer._quantizers.values()))
+    plan = next(p for p in q._plans.values() if p is not None)
+    return layer, plan, lean_cast(q.weight, layer.weight.detach())
 
 
 def _route_costs(recipe: str, x: torch.Tensor, dy: torch.Tensor, calls: int, profiles: list[str]
@@ -78,14 +73,9 @@ def _route_costs(recipe: str, x: torch.Tensor, dy: torch.Tensor, calls: int, pro
 
     from megatron_fp8.ops.lean import lean_cast
 
-    k, n = x.shape[-1], dy.shape[-1]
-    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=x.device)
-    train_step(layer, x, dy, PRESETS[recipe])()
-    q = next(iter(layer._quantizers.values()))
-    plan = next(p for p in q._plans.values() if p is not None)
-    w = layer.weight.detach()
-    wq = lean_cast(q.weight, w)
-    x2d = x.detach().reshape(-1, k)
+    layer, plan, wq = planned_linear(recipe, x, dy)
+    q, w = plan.q, layer.weight.detach()
+    x2d = x.detach().reshape(-1, x.shape[-1])
     xr, xrs, xc, xcs, _ = plan.cast_x(x2d)
     dyr, dyrs, dyc, dycs, _ = plan.dy_route(dy)
     wr, wc = wq.rowwise, wq.columnwise
@@ -180,15 +170,9 @@ class _MinLinear(torch.autograd.Function):
 def _minimal(x: torch.Tensor, dy: torch.Tensor, calls: int, use_cpp: bool) -> list[tuple[str, float]]:
     """Host us of the minimal current-scaling step: Python ``autograd.Function`` and, with
     ``use_cpp``, a C++ one calling the same cast routes (weight cast once, as when reused)."""
-    from megatron_fp8.ops.lean import lean_cast
-
-    k, n = x.shape[-1], dy.shape[-1]
-    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=x.device)
-    train_step(layer, x, dy, PRESETS["current"])()
-    q = next(iter(layer._quantizers.values()))
-    plan = next(p for p in q._plans.values() if p is not None)
+    k = x.shape[-1]
+    layer, plan, wq = planned_linear("current", x, dy)
     w = layer.weight
-    wq = lean_cast(q.weight, w.detach())
     cast_x, cast_dy = plan.cast_x, plan.dy_route
 
     def py_step() -> None:
@@ -288,7 +272,9 @@ def main() -> None:
     rows += _minimal(x, dy, n // 4, not args.no_cpp)
     for recipe in ("current",):
         rows += _route_costs(recipe, x, dy, n // 4, profiles)
-    _stub_routes()
+    from lean_overhead import stub_routes  # (this folder)
+
+    stub_routes()
     for recipe in ("current",):
         layer = mf.Linear(k, nn_, bias=False, params_dtype=torch.bfloat16, device=dev)
         rows.append((f"our Linear {recipe} routes stubbed", wall_us(train_step(layer, x, dy, PRESETS[recipe]),

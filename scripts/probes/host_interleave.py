@@ -15,11 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
-from benchlib import train_step, wall_us  # noqa: E402
+from benchlib import wall_us  # noqa: E402
+from host_floor import planned_linear  # noqa: E402 - this folder
 
-import megatron_fp8 as mf  # noqa: E402
 from megatron_fp8.ops.lean import lean_cast  # noqa: E402
-from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 
 def _threads(ops: dict[str, Callable[[], object]], calls: int, x: torch.Tensor) -> None:
@@ -71,12 +70,8 @@ def main() -> None:
     t, k, n = 256, 2048, 2048
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    train_step(layer, x, dy, PRESETS["current"])()
-    q = next(iter(layer._quantizers.values()))
-    plan = next(p for p in q._plans.values() if p is not None)
-    w = layer.weight.detach()
-    wq = lean_cast(q.weight, w)
+    layer, plan, wq = planned_linear("current", x, dy)
+    q, w = plan.q, layer.weight.detach()
     x2d = x.detach()
     xr, xrs, xc, xcs, _ = plan.cast_x(x2d)
     dyr, dyrs, dyc, dycs, _ = plan.dy_route(dy)

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("MEGATRON_FP8_LEAN", "1")  # plans on this device too
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
 import torch  # noqa: E402
@@ -28,15 +27,18 @@ from megatron_fp8.ops import routes  # noqa: E402
 from megatron_fp8.recipe import PRESETS  # noqa: E402
 
 
-def _stub_routes() -> None:
-    """Every cast and GEMM route a no-op that returns buffers made once (per signature)."""
+def stub_routes() -> None:
+    """Every cast and GEMM route a no-op that returns buffers made once (per signature), on the
+    operands' device (also used by ``host_floor.py`` on a GPU)."""
     def cast(q: Any, x: torch.Tensor, rowwise: bool, columnwise: bool) -> Any:
         m, k = x.shape
-        row, col, s = torch.empty(m, k, dtype=q.fp8_dtype), torch.empty(k, m, dtype=q.fp8_dtype), torch.ones(())
+        row = torch.empty(m, k, dtype=q.fp8_dtype, device=x.device)
+        col = torch.empty(k, m, dtype=q.fp8_dtype, device=x.device)
+        s = torch.ones((), device=x.device)
         return lambda x: (row, s, col, s, s)
 
     def gemm(name: str, a: Any, b: Any, out_dtype: torch.dtype, fast_accum: bool) -> Any:
-        out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype)
+        out = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
         return lambda a, sa, b, sb: out
 
     routes._fast_cast = cast  # type: ignore[assignment]
@@ -50,7 +52,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile of 1000 steps, by own time")
     ap.add_argument("--steps", type=int, default=3000)
     args = ap.parse_args()
-    _stub_routes()
+    os.environ.setdefault("MEGATRON_FP8_LEAN", "1")  # plans on this device too (read at each call)
+    stub_routes()
     t, k, n = 16, 128, 128
     layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16)
     ref = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
