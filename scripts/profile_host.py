@@ -184,13 +184,14 @@ def _table(runs: list[list[tuple[str, float, float]]]) -> str:
     labels = [r[0] for r in runs[0]]
     host = {lab: statistics.median(run[i][1] for run in runs) for i, lab in enumerate(labels)}
     dev = {lab: statistics.median(run[i][2] for run in runs) for i, lab in enumerate(labels)}
+    per_run = [{r[0]: r[1] for r in run} for run in runs]  # each process's host us by label
     out = []
     for lab in labels:
         ref = _reference(lab, labels)
         if ref is None:
             ratio = "n/a"
         else:
-            ratios = [vals[lab] / vals[ref] for vals in ({r[0]: r[1] for r in run} for run in runs)]
+            ratios = [vals[lab] / vals[ref] for vals in per_run]
             ratio = f"{statistics.median(ratios):.2f}x"
             if len(ratios) > 1:
                 ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
