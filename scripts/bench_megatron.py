@@ -79,6 +79,7 @@ class Variant:
     general: bool = False  # MEGATRON_FP8_LEAN=0: our layers without the lean eager path (ops/lean.py)
     graphs: bool = False  # MEGATRON_FP8_GRAPHS=1: our FP8 linears replay per-layer CUDA graphs (ops/graphed.py)
     fused: bool = False  # MEGATRON_FP8_WGRAD_FUSION=on: our linears add their wgrad into main_grad (no apex needed)
+    caller: bool = False  # backward on the training thread, not the autograd engine's CUDA device thread
 
 
 def variants(names: list[str] | None) -> list[Variant]:
@@ -90,7 +91,28 @@ def variants(names: list[str] | None) -> list[Variant]:
     all_ += [Variant(f"ours-{r}-graphs", True, r, graphs=True) for r in RECIPES if r != "delayed"]  # opt-in graphs
     # gradient-accumulation fusion in our linears only (Megatron's own layers would need apex for it)
     all_ += [Variant(f"ours-{r}-fused", True, r, fused=True) for r in RECIPES if r != "delayed"]
+    # the autograd engine's multithreading off on the training thread (a ``sitecustomize``): backward
+    # runs on the thread that calls it, not on the engine's CUDA device thread (run AM)
+    all_ += [Variant("megatron-bf16-caller", False, caller=True)]
+    all_ += [Variant(f"ours-{r}-caller", True, r, caller=True) for r in RECIPES if r != "delayed"]
     return [v for v in all_ if names is None or v.name in names]
+
+
+_CALLER_SITE = """import sys
+import torch
+torch.autograd.set_multithreading_enabled(False)  # thread-local: the main thread, Megatron's loop
+print("bench_megatron: autograd multithreading off on the main thread (backward on the caller)", file=sys.stderr)
+"""
+
+
+def _caller_site(out: str) -> str:
+    """A folder holding a ``sitecustomize.py`` that turns the autograd engine's multithreading
+    off on the process's main thread (where Megatron-LM's loop calls backward)."""
+    folder = os.path.join(os.path.abspath(out), "caller_site")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(_CALLER_SITE)
+    return folder
 
 
 @dataclass
@@ -129,7 +151,7 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     layers = ["--num-layers", str(args.layers), "--seq-length", str(args.seq), "--max-position-embeddings",
               str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
               "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
-    spec = SPEC if v.ours else BASELINE_SPEC if v.name == "megatron-bf16" else []
+    spec = SPEC if v.ours else BASELINE_SPEC if v.name.startswith("megatron-bf16") and "own-attn" not in v.name else []
     fusions = NEEDS_TE_OR_APEX + (COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else [])
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
     if v.recipe is not None:
@@ -141,8 +163,9 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end",
                 str(start + 1), "--tensorboard-dir", os.path.join(_profile_dir(args, config, v), "tb")]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([args.megatron_lm, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
+    site = [_caller_site(args.out)] if v.caller else []
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(site + [args.megatron_lm, repo, env.get("PYTHONPATH", "")])
     env.pop("MEGATRON_FP8_CONFIG", None)
     env.pop("MEGATRON_FP8_LEAN", None)
     env.pop("MEGATRON_FP8_GRAPHS", None)

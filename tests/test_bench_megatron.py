@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -66,12 +67,13 @@ def test_megatron_lm_example_script_parses() -> None:
     assert proc.returncode != 0 and "set MEGATRON_LM" in proc.stderr
 
 
-def test_fp8_variants_pass_megatrons_format_and_recipe() -> None:
+def test_fp8_variants_pass_megatrons_format_and_recipe(tmp_path: Path) -> None:
     """Every FP8 run passes Megatron's own ``--fp8-format`` / ``--fp8-recipe``: hybrid (E5M2
     gradients, what Megatron users pass), and one blockwise run in E4M3 to set the E5M2 GEMMs apart."""
     import argparse
 
-    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2)
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                              out=str(tmp_path))
     formats = {}
     for v in bm.variants(None):
         cmd, _ = bm._command(args, "dense-1b", v, "")
@@ -199,3 +201,24 @@ def test_profile_runs_megatrons_profiler_on_one_iteration(tmp_path: os.PathLike[
     prof = bm.profile_of(args, "dense-1b", v)
     assert prof["gemm"] == 5.0 and prof["kernels"][0][0] == "sm90_xmma_gemm_e4m3e4m3_bf16"
     assert prof["annotations"] == [("ProfilerStep#12", 10.0), ("ProfilerStep#13", 0.4)]
+
+
+def test_caller_variants_run_backward_on_the_main_thread(tmp_path: Path) -> None:
+    """The ``-caller`` variants (and only they) put a ``sitecustomize`` first on PYTHONPATH that
+    turns the autograd engine's multithreading off on the main thread; the baseline's caller
+    variant keeps the baseline's spec."""
+    import argparse
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                              out=str(tmp_path))
+    envs = {v.name: bm._command(args, "dense-1b", v, "") for v in bm.variants(None)}
+    assert envs["megatron-bf16-caller"][0][envs["megatron-bf16-caller"][0].index("--spec") + 2] == "baseline_spec"
+    for name, (_, env) in envs.items():
+        first = env["PYTHONPATH"].split(os.pathsep)[0]
+        assert os.path.isfile(os.path.join(first, "sitecustomize.py")) == name.endswith("-caller"), name
+    env = dict(os.environ, PYTHONPATH=envs["ours-tensorwise-caller"][1]["PYTHONPATH"])
+    probe = ("import threading, torch; r = []; t = threading.Thread(target=lambda: "
+             "r.append(torch._C._is_multithreading_enabled())); t.start(); t.join(); "
+             "print(torch._C._is_multithreading_enabled(), r[0])")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]  # off on the main thread only

@@ -6,6 +6,8 @@ takes 33 us). Host and device us of both, with the one-launch cast on and off, a
     python scripts/probes/host_full_vs_reused.py kernels      # GPU kernel time per step (torch.profiler)
     python scripts/probes/host_full_vs_reused.py gc           # with the garbage collector on and off
     python scripts/probes/host_full_vs_reused.py isolate      # reused steps plus a weight cast dropped / kept
+    python scripts/probes/host_full_vs_reused.py threads      # backward on the engine's device thread or the caller's
+    python scripts/probes/host_full_vs_reused.py sync         # any step that synchronizes with the GPU (raises there)
     python scripts/probes/host_full_vs_reused.py spin full 8  # 8 s of steps, for a sampling profiler
 """
 
@@ -101,6 +103,58 @@ def isolate(rounds: int = 2) -> None:
             print(f"round {rnd}: {name}: host {host:.1f} us per step")
 
 
+def threads(rounds: int = 2) -> None:
+    """Whether the excess is the hand-over between the caller's thread and the autograd engine's
+    CUDA device thread (a Python ``backward`` there takes the GIL): full, reused and BF16 steps
+    with the engine's multithreading on (the default: backward on the device thread) and off
+    (backward on the calling thread), alternated in one process; host us per step, and of
+    forward alone."""
+    x, dy = _inputs()
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    ref = torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device=DEVICE)
+    makers = {"full": lambda: _warm(x, dy, recipe, False)[1], "reused": lambda: _warm(x, dy, recipe, True)[1],
+              "bf16": lambda: ref}
+    for rnd in range(rounds):
+        for name, make in makers.items():
+            layer = make()
+            for multi in (True, False):
+                with torch.autograd.set_multithreading_enabled(multi):
+                    step = train_step(layer, x, dy, None if name == "bf16" else recipe)
+                    for _ in range(5):
+                        step()
+                    host = host_and_device_ms(step, 400)[0] * 1e3 if x.is_cuda else wall_us(step, 3)
+
+                    def fwd(layer: torch.nn.Module = layer, name: str = name) -> None:
+                        import contextlib
+
+                        with mf.fp8_autocast(fp8_recipe=recipe) if name != "bf16" else contextlib.nullcontext():
+                            layer(x)
+                    fwd_host = host_and_device_ms(fwd, 400)[0] * 1e3 if x.is_cuda else wall_us(fwd, 3)
+                print(f"round {rnd}: {name}, backward on {'device thread' if multi else 'caller'}: "
+                      f"host {host:.1f} us per step, forward alone {fwd_host:.1f} us")
+
+
+def syncs() -> None:
+    """Run full and reused steps with CUDA's sync debug mode at "error": the traceback names any
+    operation that waits for the GPU (a sync costs the queued kernels' time on the host)."""
+    import traceback
+
+    x, dy = _inputs()
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    for name, reuse in (("full", False), ("reused", True)):
+        step = _warm_step(x, dy, recipe, reuse)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                step()
+            print(f"{name}: no synchronizing operation in 3 steps")
+        except RuntimeError:
+            print(f"{name}: a step synchronizes:\n{traceback.format_exc(limit=12)}")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def kernels(recipe_name: str, reuse: bool, steps: int = 50) -> None:
     """The GPU's kernel time per step (torch.profiler): whether a step is bound by its kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -136,6 +190,10 @@ if __name__ == "__main__":
             count += 50
         torch.cuda.synchronize()
         print(f"{which}: {seconds * 1e6 / count:.1f} us per step")
+    elif len(sys.argv) > 1 and sys.argv[1] == "threads":
+        threads()
+    elif len(sys.argv) > 1 and sys.argv[1] == "sync":
+        syncs()
     elif len(sys.argv) > 1 and sys.argv[1] == "isolate":
         isolate()
     elif len(sys.argv) > 1 and sys.argv[1] == "gc":

@@ -1,0 +1,112 @@
+"""Probe: what backward on the autograd engine's CUDA device thread costs the host, per layer.
+
+Run AM (H100, 2026-12-06) found a current ``Linear`` step 100-140 us faster on the host when its
+backward ran on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), and
+BF16 ``nn.Linear`` 37-60 us faster. This probe splits that cost: per layer of a chain of
+``depth`` layers (one backward per chain, as in a model), for BF16 ``nn.Linear``, a minimal
+Python ``autograd.Function`` doing the same BF16 matmuls (the cost of any Python backward), and
+our ``Linear`` (weight cast every step, and reused), with the engine's multithreading on (the
+default) and off. Host us per layer, alternated in one process, BF16 ratios per mode and depth.
+
+    python scripts/probes/host_threads.py [--depths 1 8] [--rounds 2] [--steps 300]
+    PROBE_DEVICE=cpu MEGATRON_FP8_LEAN=1 python scripts/probes/host_threads.py --steps 2  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+import torch  # noqa: E402
+from benchlib import host_and_device_ms, train_step, wall_us  # noqa: E402
+
+import megatron_fp8 as mf  # noqa: E402
+from megatron_fp8.recipe import PRESETS  # noqa: E402
+
+DEVICE = os.environ.get("PROBE_DEVICE", "cuda")
+WIDTH = 2048
+
+
+class _PyMatmul(torch.autograd.Function):
+    """``x @ w.T`` with a Python backward: the floor any Python-backward layer pays."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return dy @ w, dy.t() @ x
+
+
+class _PyLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH, device=DEVICE, dtype=torch.bfloat16) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PyMatmul.apply(x, self.weight)
+
+
+def _chain(kind: str, depth: int) -> torch.nn.Module:
+    def one() -> torch.nn.Module:
+        if kind == "nn.Linear":
+            return torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.bfloat16, device=DEVICE)
+        if kind == "python Function":
+            return _PyLinear()
+        layer = mf.Linear(WIDTH, WIDTH, bias=False, params_dtype=torch.bfloat16, device=DEVICE)
+        if kind.endswith("reused"):
+            layer.is_first_microbatch = True
+        return layer
+    return torch.nn.Sequential(*[one() for _ in range(depth)])
+
+
+def _per_layer_us(step: Callable[[], None], depth: int, steps: int) -> float:
+    for _ in range(5):
+        step()
+    total = host_and_device_ms(step, steps)[0] * 1e3 if DEVICE == "cuda" else wall_us(step, steps)
+    return total / depth
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    recipe = PRESETS[os.environ.get("RECIPE", "current")]
+    x = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    kinds = ("nn.Linear", "python Function", "Linear, weight cast every step", "Linear, weight reused")
+    found: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
+    for _ in range(args.rounds):
+        for depth in args.depths:
+            for kind in kinds:
+                model = _chain(kind, depth)
+                fp8 = kind.startswith("Linear")
+                for multi in (True, False):
+                    with torch.autograd.set_multithreading_enabled(multi):
+                        step = train_step(model, x, dy, recipe if fp8 else None)
+                        found[kind, depth, multi].append(_per_layer_us(step, depth, args.steps))
+    print(f"\nhost us per layer (median of {args.rounds} rounds), T=256, K=N={WIDTH}, "
+          f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}")
+    print("| layer | depth | device thread | caller | device thread / BF16 | caller / BF16 |")
+    print("|---|---|---|---|---|---|")
+    for depth in args.depths:
+        ref = {m: statistics.median(found["nn.Linear", depth, m]) for m in (True, False)}
+        for kind in kinds:
+            on, off = (statistics.median(found[kind, depth, m]) for m in (True, False))
+            print(f"| {kind} | {depth} | {on:.1f} | {off:.1f} | {on / ref[True]:.2f}x | {off / ref[False]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
