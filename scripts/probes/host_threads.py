@@ -4,12 +4,13 @@ Run AM (H100, 2026-12-06) found a current ``Linear`` step 100-140 us faster on t
 backward ran on the calling thread (``torch.autograd.set_multithreading_enabled(False)``), and
 BF16 ``nn.Linear`` 37-60 us faster. This probe splits that cost: per layer of a chain of
 ``depth`` layers (one backward per chain, as in a model), for BF16 ``nn.Linear``, a minimal
-Python ``autograd.Function`` doing the same BF16 matmuls (the cost of any Python backward), and
-our ``Linear`` (weight cast every step, and reused), with the engine's multithreading on (the
-default) and off. Host us per layer, alternated in one process, BF16 ratios per mode and depth.
+Python ``autograd.Function`` doing the same BF16 matmuls (the cost of any Python backward),
+``host_floor``'s minimal current step (our routes, nothing else), and our ``Linear`` (weight
+cast every step, and reused), with the engine's multithreading on (the default) and off. Host us
+per layer, alternated in one process, BF16 ratios per mode and depth.
 
-    python scripts/probes/host_threads.py [--depths 1 8] [--rounds 2] [--steps 300]
-    PROBE_DEVICE=cpu MEGATRON_FP8_LEAN=1 python scripts/probes/host_threads.py --steps 2  # smoke
+    python scripts/probes/host_threads.py [--depths 1 8] [--rounds 2] [--steps 300] [--stub]
+    PROBE_DEVICE=cpu MEGATRON_FP8_LEAN=1 python scripts/probes/host_threads.py --steps 2 --no-minimal  # smoke
 """
 
 from __future__ import annotations
@@ -57,12 +58,32 @@ class _PyLinear(torch.nn.Module):
         return _PyMatmul.apply(x, self.weight)
 
 
+class _Minimal(torch.nn.Module):
+    """``host_floor``'s minimal current step (our two cast routes, three ``_scaled_mm``) as a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from host_floor import planned_linear
+
+        x = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        layer, plan, self.wq = planned_linear("current", x, torch.randn_like(x))
+        self.weight = layer.weight
+        self.cast_x, self.cast_dy = plan.cast_x, plan.dy_route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from host_floor import _MinLinear
+
+        return _MinLinear.apply(x, self.weight, self.wq, self.cast_x, self.cast_dy)
+
+
 def _chain(kind: str, depth: int) -> torch.nn.Module:
     def one() -> torch.nn.Module:
         if kind == "nn.Linear":
             return torch.nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.bfloat16, device=DEVICE)
         if kind == "python Function":
             return _PyLinear()
+        if kind == "minimal Function, our routes":
+            return _Minimal()
         layer = mf.Linear(WIDTH, WIDTH, bias=False, params_dtype=torch.bfloat16, device=DEVICE)
         if kind.endswith("reused"):
             layer.is_first_microbatch = True
@@ -82,11 +103,20 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--stub", action="store_true", help="our cast and GEMM routes stubbed (the glue alone)")
+    ap.add_argument("--no-minimal", action="store_true", help="without the minimal Function (it needs a GPU)")
     args = ap.parse_args()
+    if args.stub:
+        from lean_overhead import stub_routes
+
+        stub_routes()
     recipe = PRESETS[os.environ.get("RECIPE", "current")]
     x = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16)
-    kinds = ("nn.Linear", "python Function", "Linear, weight cast every step", "Linear, weight reused")
+    kinds = ("nn.Linear", "python Function", "minimal Function, our routes", "Linear, weight cast every step",
+             "Linear, weight reused")
+    if args.stub or args.no_minimal:
+        kinds = tuple(k for k in kinds if not k.startswith("minimal"))
     found: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
     for _ in range(args.rounds):
         for depth in args.depths:
