@@ -19,9 +19,11 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
 
@@ -76,6 +78,92 @@ class _Minimal(torch.nn.Module):
         return _MinLinear.apply(x, self.weight, self.wq, self.cast_x, self.cast_dy)
 
 
+class _Timed(torch.autograd.Function):
+    """``host_floor._MinLinear`` with a host clock read between its ops (``_MARKS``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, wq: Any, cast_x: Any, cast_dy: Any) -> torch.Tensor:
+        t = time.perf_counter
+        _MARKS.append(("forward entered", t()))
+        xr, xrs, xc, xcs, _ = cast_x(x.reshape(-1, x.shape[-1]))
+        _MARKS.append(("x cast", t()))
+        ctx.save_for_backward(xc, xcs, wq.columnwise.data, wq.columnwise.scale_inv)
+        ctx.cast_dy = cast_dy
+        y = torch._scaled_mm(xr, wq.rowwise.data.t(), scale_a=xrs, scale_b=wq.rowwise.scale_inv,
+                             out_dtype=x.dtype, use_fast_accum=True)
+        _MARKS.append(("fprop", t()))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        t = time.perf_counter
+        _MARKS.append(("backward entered", t()))
+        xc, xcs, wc, wcs = ctx.saved_tensors
+        dyr, dyrs, dyc, dycs, _ = ctx.cast_dy(dy.contiguous())
+        _MARKS.append(("dy cast", t()))
+        dx = torch._scaled_mm(dyr, wc.t(), scale_a=dyrs, scale_b=wcs, out_dtype=dy.dtype)
+        _MARKS.append(("dgrad", t()))
+        dw = torch._scaled_mm(dyc, xc.t(), scale_a=dycs, scale_b=xcs, out_dtype=dy.dtype)
+        _MARKS.append(("wgrad", t()))
+        return dx, dw, None, None, None
+
+
+_MARKS: list[tuple[str, float]] = []
+
+
+class _WhoRuns(torch.autograd.Function):
+    """Identity whose backward records the native id of the thread that runs it."""
+
+    tid = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        _WhoRuns.tid = threading.get_native_id()
+        return dy
+
+
+def pin(main_core: int, engine_core: int) -> None:
+    """The calling thread to ``main_core``, the autograd engine's CUDA device thread to ``engine_core``
+    (Linux: ``sched_setaffinity`` of a thread id)."""
+    x = torch.randn(4, device=DEVICE, requires_grad=True)
+    _WhoRuns.apply(x).sum().backward()
+    os.sched_setaffinity(0, {main_core})
+    os.sched_setaffinity(_WhoRuns.tid, {engine_core})
+
+
+def breakdown(steps: int) -> None:
+    """Host us between the clock reads of ``_Timed``'s steps, engine multithreading on and off."""
+    x = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(256, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    m = _Minimal()
+    for multi in (True, False, True, False):
+        with torch.autograd.set_multithreading_enabled(multi):
+            spans: dict[str, list[float]] = defaultdict(list)
+            for i in range(steps + 20):
+                _MARKS.clear()
+                t0 = time.perf_counter()
+                x.grad = None
+                m.weight.grad = None
+                y = _Timed.apply(x, m.weight, m.wq, m.cast_x, m.cast_dy)
+                _MARKS.append(("backward called", time.perf_counter()))
+                y.backward(dy)
+                _MARKS.append(("backward returned", time.perf_counter()))
+                if i >= 20:
+                    prev = t0
+                    for name, at in _MARKS:
+                        spans[name].append((at - prev) * 1e6)
+                        prev = at
+        print(f"multithreading {'on ' if multi else 'off'}: " + ", ".join(
+            f"{k} {statistics.median(v):.1f}" for k, v in spans.items()) +
+            f"; total {sum(statistics.median(v) for v in spans.values()):.1f} us (medians)")
+
+
 def _chain(kind: str, depth: int) -> torch.nn.Module:
     def one() -> torch.nn.Module:
         if kind == "nn.Linear":
@@ -105,7 +193,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--stub", action="store_true", help="our cast and GEMM routes stubbed (the glue alone)")
     ap.add_argument("--no-minimal", action="store_true", help="without the minimal Function (it needs a GPU)")
+    ap.add_argument("--breakdown", action="store_true", help="host us between the ops of a minimal step")
+    ap.add_argument("--pin", type=int, nargs=2, metavar=("MAIN", "ENGINE"),
+                    help="pin the calling thread and the engine's device thread to these cores")
     args = ap.parse_args()
+    if args.pin:
+        pin(*args.pin)
+        print(f"calling thread on core {args.pin[0]}, engine device thread on core {args.pin[1]}")
+    if args.breakdown:
+        breakdown(args.steps)
+        return
     if args.stub:
         from lean_overhead import stub_routes
 
