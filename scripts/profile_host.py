@@ -15,9 +15,14 @@ ratio to the reference measured in its own process (with the range over the proc
 host's speed moves between rounds and machines, docs/benchmarks.md run AL). The rows marked "general
 path" run our ``Linear`` and ``GroupedLinear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager paths), for the
 comparison in the same processes; on CUDA the rows "CUDA graphs" run it with ``MEGATRON_FP8_GRAPHS=1``
-(ops/graphed.py: each step replays the layer's captured forward and backward).
+(ops/graphed.py: each step replays the layer's captured forward and backward). Each step runs
+one layer's backward, so by default each step hands its backward to autograd's CUDA device thread
+and back: on the lent H100s that handoff slowed every row (ours by up to ~300 us, ``nn.Linear``
+by 30-60), which Megatron-LM's loop pays once per micro-batch, not per layer (run AM);
+``--backward-thread caller`` keeps the backward on the calling thread, references included.
 
     python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
+                                   [--backward-thread engine|caller]
 """
 
 from __future__ import annotations
@@ -209,8 +214,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=100, help="steps timed back to back")
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
     p.add_argument("--out", default=None, help="also write the table to DIR/profile_host.md (scripts/probes/ab_env.py)")
+    p.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
+                   help="engine: backward on autograd's CUDA device thread (PyTorch's default); caller: on the "
+                        "thread that calls it (autograd multithreading off, references included; run AM)")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's rows, for the parent
     args = p.parse_args()
+    if args.backward_thread == "caller":
+        torch.autograd.set_multithreading_enabled(False)  # this (main) thread's backward calls
     for v, name in ((args.tokens, "--tokens"), (args.k, "--k")):
         if v <= 0 or v % 128:
             p.error(f"{name}={v}: must be a positive multiple of 128 (the block recipes' in features, and the "
@@ -227,7 +237,8 @@ def main() -> None:
     else:
         runs = [measure(args)]
     title = (f"Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
-             f"{args.tokens} tokens), median of {len(runs)} process(es)")
+             f"{args.tokens} tokens), median of {len(runs)} process(es), backward on the {args.backward_thread}"
+             f"{' thread' if args.backward_thread == 'caller' else 's CUDA device thread'}")
     table = _table(runs)
     print(f"# {title}\n\n{environment()}\n\n{table}")
     if args.out:
