@@ -129,6 +129,41 @@ def test_delayed_state_in_kernels_equals_torch(algo: str, history: int, monkeypa
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_one_quantizers_step_equals_the_stacked_one(algo: str) -> None:
+    """A lone quantizer's step (``kernels.delayed_state_alone``: its own launch, prepared at the
+    first step and reused after, on the GPU) gives the bits of ``_advance_together`` of that one
+    quantizer (the ``[1, L]`` launch), over histories holding NaN, +inf, zeros and ordinary
+    amaxes; a copy leaves the prepared launch out and prepares its own."""
+    import copy
+
+    from megatron_fp8.quant.tensor_scaling import DelayedScalingQuantizer as Q
+    from megatron_fp8.recipe import DelayedScaling
+
+    recipe = DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo=algo)
+    alone, stacked = Q(E4, recipe, device=DEVICE), Q(E4, recipe, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 7):
+        hist = torch.rand(16, generator=g) * 2.0**step
+        if step in (2, 3, 5):  # a NaN newest, an inf inside, an all-zero history
+            hist[{2: 0, 3: 9, 5: slice(None)}[step]] = {2: float("nan"), 3: float("inf"), 5: 0.0}[step]
+        alone.amax_history, stacked.amax_history = hist.to(DEVICE), hist.to(DEVICE).clone()
+        alone._advance_to(step)
+        Q._advance_together([stacked], step)
+        for got, want in ((alone.scale, stacked.scale), (alone._scale_inv(), stacked._scale_inv()),
+                          (alone.amax_history, stacked.amax_history)):
+            assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), step
+        assert alone.step == stacked.step == step
+        stacked.scale = alone.scale.clone()  # the next step starts from the same scale in both
+    if ON_GPU:
+        assert alone._launch is not None  # prepared, and reused from the second step
+    twin = copy.deepcopy(alone)
+    assert twin._launch is None
+    twin._advance_to(7)
+    alone._advance_to(7)
+    assert torch.equal(twin.scale.view(torch.int32), alone.scale.view(torch.int32))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's delayed-scaling kernels")
 @pytest.mark.parametrize("history", [8, 1])
 def test_one_nan_step_recovers_on_the_gpu(history: int) -> None:

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..quant.formats import fp8_max
 from ..quant.tensor import SCALE_STRIDE as STRIDE
 from ..quant.tensor import aligned_scalars
-from .triton_launch import Launcher, cdiv
+from .triton_launch import Launcher, Prepared, cdiv
 
 SCALE_STRIDE = tl.constexpr(STRIDE)  # per-segment scales 16 bytes apart: cuBLAS rejects unaligned scale pointers
 
@@ -227,6 +227,37 @@ def amax_and_scale(
         HIST=history is not None, B=1024, num_warps=4,
     )
     return amax, sc, inv
+
+
+def delayed_state_alone(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int,
+                        algo_max: bool, launch: Prepared | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Prepared | None]:
+    """One quantizer's ``delayed_state`` (``history [L]`` contiguous, ``scale []``, both 16-byte
+    aligned) -> ``(scale [], 1/scale [], history [L], launch)``: new tensors, the same bits as the
+    ``[1, L]`` call. ``launch``: the one an earlier call returned for this quantizer (its device,
+    length and format), which takes the arguments without building a key; None: launched and
+    prepared now (the result's ``launch``, None where launches are not the prepared kind)."""
+    sc = torch.empty((), dtype=torch.float32, device=history.device)
+    inv = torch.empty((), dtype=torch.float32, device=history.device)
+    new_hist = torch.empty_like(history)
+    if launch is not None:
+        launch(history, scale, 1, new_hist, sc, inv)
+        return sc, inv, new_hist, launch
+    hist_len = history.shape[0]
+    launch = _DELAYED_STATE.prepare((1,), 6, history, scale, 1, new_hist, sc, inv, hist_len, FMAX=fp8_max(fp8_dtype),
+                                    MARGIN_DIV=float(2**margin), ALGO_MAX=algo_max,
+                                    BL=triton.next_power_of_2(hist_len), num_warps=4)
+    return sc, inv, new_hist, launch
+
+
+def prepared_fold(x: torch.Tensor, history: torch.Tensor, work: torch.Tensor) -> Prepared | None:
+    """``fold_amax_into(x, history, work)`` now, and its launch for tensors like these (same
+    shapes and dtypes, 16-byte aligned), called ``f(x, work, history)``; None where launches here
+    are not the prepared kind (the caller then calls ``fold_amax_into``)."""
+    m, k = x.shape
+    n_r, s, k_per = _amax_grid(m, k)
+    return _AMAX_FOLD.prepare((n_r, s), 3, x, work, history, m, k, k_per, history.shape[0], R=_R, BK=_BK,
+                              num_warps=4)
 
 
 def fold_work(device: torch.device) -> torch.Tensor:

@@ -138,7 +138,7 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         x = x.contiguous()
         row = torch.empty((m, k), dtype=fp8, device=device) if rowwise else x
         col = torch.empty((k, m), dtype=fp8, device=device) if columnwise else x
-        scale, inv = torch.empty((1,), dtype=f32, device=device), torch.empty((1,), dtype=f32, device=device)
+        scale, inv = torch.empty((), dtype=f32, device=device), torch.empty((), dtype=f32, device=device)
         sync = tp._sync_words(dev, 1)
         if launch is not None and x.data_ptr() % 16 == 0:
             launch(x, row, col, scale, inv, x, sync)
@@ -151,9 +151,8 @@ def _current_cast(q: CurrentScalingQuantizer, x: torch.Tensor, rowwise: bool, co
                 return general(x)  # path's guards handle both, as kernels._KernelGuard does (and warn)
             if launch is None and x.data_ptr() % 16 == 0:
                 launch = prepared
-        s, i = scale.view(()), inv.view(())
-        return (row if rowwise else None), (i if rowwise else None), (col if columnwise else None), \
-            (i if columnwise else None), s
+        return (row if rowwise else None), (inv if rowwise else None), (col if columnwise else None), \
+            (inv if columnwise else None), scale
     return run
 
 
@@ -218,21 +217,29 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         and cuda_cast.prebuild("tensor", fp8, device) is not None
 
     work = scales.fold_work(device)  # this route's atomic words (its casts run one after another)
+    fold: Any = None  # the fold's launch, prepared at the first call
 
     def run(x: torch.Tensor) -> Cast:
+        nonlocal fold
         x = x.contiguous()
         q._to(x.device)
         q._advance()
         hist = q.amax_history
         if hist.is_contiguous():  # the amax joins the history in its one launch
-            scales.fold_amax_into(x, hist, work)
+            if fold is not None and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
+                fold(x, work, hist)
+            else:  # the first call, or a tensor the prepared launch's alignment does not cover
+                prepared = scales.prepared_fold(x, hist, work)
+                if fold is None and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
+                    fold = prepared
         else:
             fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))
         scale, inv = q.scale, q._scale_inv()
         if cuda:
             row = torch.empty((m, k), dtype=fp8, device=device)
             col = torch.empty((k, m), dtype=fp8, device=device)
-            if cuda_cast.cast(x, fp8, "tensor", None, 1, row, None, col, None, scale.float()):
+            if cuda_cast.cast(x, fp8, "tensor", None, 1, row, None, col, None,
+                              scale if scale.dtype == torch.float32 else scale.float()):
                 return row, inv, col, inv, scale
         row, col = triton_cast.cast_tiles(x, fp8, "tensor", rowwise, columnwise, scale.float())
         return (row[0] if row else None), (inv if row else None), (col[0] if col else None), \
@@ -291,7 +298,7 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
         return tensorwise
     if a.layout not in (L.BLOCK_1x128, L.BLOCK_128x128):
         return general
-    layout_of = gemm_mod._block_scale_layout
+    layout_of = gemm_mod.block_scale_layout
     hybrid = gemm_mod._e5m2_blocks(a, b)
     if hybrid or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
         if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
@@ -300,8 +307,8 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
 
         def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
             y = torch.empty((m, n), dtype=out_dtype, device=a.device)
-            if not cublaslt.matmul(a, layout_of(Operand(a, sa, layouts[0])), layouts[0], b,
-                                   layout_of(Operand(b, sb, layouts[1])), layouts[1], y):
+            if not cublaslt.matmul(a, layout_of(sa, layouts[0]), layouts[0], b, layout_of(sb, layouts[1]),
+                                   layouts[1], y):
                 return general(a, sa, b, sb)
             if records:
                 gemm_mod.record(recorded, backend, layouts, (m, n, k))
@@ -322,6 +329,6 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
         if records:
             gemm_mod.record(name, backend, layouts, (m, n, k))
         # F.scaled_mm with gemm._native_block's arguments (its output dtype known to be accepted)
-        return F.scaled_mm(a, b.t(), layout_of(Operand(a, sa, layouts[0])), ka, layout_of(Operand(b, sb, layouts[1])),
-                           kb, swizzle_a=none, swizzle_b=none, output_dtype=out_dtype)
+        return F.scaled_mm(a, b.t(), layout_of(sa, layouts[0]), ka, layout_of(sb, layouts[1]), kb, swizzle_a=none,
+                           swizzle_b=none, output_dtype=out_dtype)
     return block

@@ -386,6 +386,21 @@ def delayed_state(history: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return _scales().delayed_state(history, scale, dtype, margin=margin, algo_max=algo_max)
 
 
+def delayed_state_alone(history: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, margin: int,
+                        algo_max: bool, launch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None:
+    """One quantizer's delayed-scaling step (``triton_scale.delayed_state_alone``): ``(scale,
+    1/scale, history, launch)``, ``launch`` to pass back next step; None off the kernels'
+    device, or for state it does not take (not a contiguous FP32 ``[L]`` history and ``[]``
+    scale, 16-byte aligned): the caller then runs ``delayed_state`` on the ``[1, L]`` stack."""
+    if not (history.dim() == 1 and scale.dim() == 0 and history.dtype == scale.dtype == torch.float32
+            and history.is_contiguous() and not history.data_ptr() % 16 and not scale.data_ptr() % 16
+            and _triton_here(history)):
+        return None
+    if launch is not None and launch.device != history.device.index:
+        launch = None  # prepared on another device: the state moved
+    return _scales().delayed_state_alone(history, scale, dtype, margin=margin, algo_max=algo_max, launch=launch)
+
+
 CurrentCast = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 

@@ -238,6 +238,12 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         self.step = 0
         self._row: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (stack, i, view): see _advance_peers
         self._inverse: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, 1 / scale): see _scale_inv
+        self._launch: Any = None  # the prepared launch of this quantizer's step: see _advance
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave out the prepared launch too (it holds compiled kernels): a copy
+        prepares its own at its first step."""
+        return {**super().__getstate__(), "_launch": None}
 
     def _to(self, device: torch.device) -> None:
         if self.amax_history.device != device:
@@ -245,11 +251,23 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
             self.scale = self.scale.to(device)
 
     def _advance(self) -> None:
-        """A new step's scale and rolled history (``_advance_together`` of this one quantizer:
-        one launch on the kernels' device, which also gives 1/scale)."""
+        """At the first cast of a new FP8 step: that step's scale and rolled history (``_advance_to``)."""
         now = fp8_step()
         if now != self.step:
+            self._advance_to(now)
+
+    def _advance_to(self, now: int) -> None:
+        """Step ``now``'s scale and rolled history: on the kernels' device one launch, which also
+        gives 1/scale, prepared at the first step (``kernels.delayed_state_alone``; the same
+        kernel and bits as ``_advance_together`` of this one quantizer, which runs elsewhere)."""
+        out = kernels.delayed_state_alone(self.amax_history, self.scale, self.fp8_dtype, margin=self.recipe.margin,
+                                          algo_max=self.recipe.amax_compute_algo == "max",
+                                          launch=self.__dict__.get("_launch"))
+        if out is None:
             self._advance_together([self], now)
+            return
+        scale, inv, self.amax_history, self._launch = out
+        self.scale, self.step, self._inverse, self._row = scale, now, (scale, inv), None
 
     def _scale_inv(self) -> torch.Tensor:
         """1 / scale: the one a fused step computed with this scale (the same bits as

@@ -1,10 +1,11 @@
-"""Host cost of one eager GroupedLinear training step under two checkouts of the package, in one
-process (GPU): each checkout is imported under its own copy of the module tree, and their steps
-alternate round by round, so a drift of the machine's host speed (measured at up to ~35% between
-processes on the device) hits both alike. Prints host and device ms per step (median over
-rounds, and the spread) and the ratio new / old per round.
+"""Host cost of one eager GroupedLinear (or, ``--layer linear``, Linear) training step under two
+checkouts of the package, in one process (GPU): each checkout is imported under its own copy of
+the module tree, and their steps alternate round by round, so a drift of the machine's host
+speed (measured at up to ~35% between processes on the device) hits both alike. Prints host and
+device ms per step (median over rounds, and the spread) and the ratio new / old per round.
 
     python scripts/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15]
+    python scripts/ab_host.py --old _ab/old --new . --layer linear --tokens 256 --k 2048 --n 2048
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _load(root: str) -> dict[str, Any]:
     sys.path.insert(0, root)
     try:
         import megatron_fp8
-        from megatron_fp8 import fp8_autocast
+        from megatron_fp8 import Linear, fp8_autocast
         from megatron_fp8.modules.grouped import GroupedLinear
         from megatron_fp8.recipe import PRESETS
 
@@ -47,7 +48,8 @@ def _load(root: str) -> dict[str, Any]:
                 pass
     finally:
         sys.path.remove(root)
-    return {"GroupedLinear": GroupedLinear, "PRESETS": PRESETS, "fp8_autocast": fp8_autocast, "modules": _ours()}
+    return {"GroupedLinear": GroupedLinear, "Linear": Linear, "PRESETS": PRESETS, "fp8_autocast": fp8_autocast,
+            "modules": _ours()}
 
 
 def _use(mod: dict[str, Any]) -> None:
@@ -63,26 +65,35 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--recipes", nargs="*", default=["current", "blockwise"])
+    p.add_argument("--layer", choices=("grouped", "linear"), default="grouped",
+                   help="linear: a Linear(k, n) on --tokens tokens (--experts and --ragged unused)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--flag", action="store_true", help="save_original_input=True on both layers")
     p.add_argument("--ragged", type=int, default=0, metavar="MULTIPLE",
                    help="uneven token counts, each a multiple of MULTIPLE (seeded; the same total)")
     args = p.parse_args()
-    splits = [args.tokens] * args.experts
+    splits: list[int] | None = [args.tokens] * args.experts
     if args.ragged:
         g = torch.Generator().manual_seed(0)
         units = args.experts * args.tokens // args.ragged
         cuts = sorted(torch.randint(0, units + 1, (args.experts - 1,), generator=g).tolist())
         splits = [(b - a) * args.ragged for a, b in zip([0, *cuts], [*cuts, units])]
-    x = torch.randn(sum(splits), args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(sum(splits), args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    if args.layer == "linear":
+        splits = None
+    rows = args.tokens if splits is None else sum(splits)
+    x = torch.randn(rows, args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(rows, args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
     steps, trees = {}, {}
     for tag, root in (("old", args.old), ("new", args.new)):
         mod = trees[tag] = _load(root)
         for rname in args.recipes:
             torch.manual_seed(0)
-            layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
-                                         device="cuda", save_original_input=args.flag)
+            if splits is None:
+                layer = mod["Linear"](args.k, args.n, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                                      save_original_input=args.flag)
+            else:
+                layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
+                                             device="cuda", save_original_input=args.flag)
             steps[(rname, tag)] = train_step(layer, x, dy, mod["PRESETS"][rname], splits,  # type: ignore[index]
                                              autocast=mod["fp8_autocast"])
     got: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
@@ -100,7 +111,8 @@ def main() -> None:
         ratios = [n[0] / o[0] for n, o in zip(got[(rname, "new")], got[(rname, "old")])]
         rows.append([rname, "new / old host, median of rounds", statistics.median(ratios),
                      (max(ratios) - min(ratios)), "-"])
-    print(f"{args.experts} experts, splits {splits}, K={args.k}, N={args.n}, save_original_input={args.flag}, "
+    what = f"Linear, {args.tokens} tokens" if splits is None else f"{args.experts} experts, splits {splits}"
+    print(f"{what}, K={args.k}, N={args.n}, save_original_input={args.flag}, "
           f"{args.rounds} rounds of 20 steps")
     print(markdown_table(["recipe", "checkout", "host ms/step", "spread", "device ms/step"], rows))
 
