@@ -236,9 +236,9 @@ def main() -> None:
                 for _ in range(args.processes)]
     else:
         runs = [measure(args)]
+    where = "the calling thread" if args.backward_thread == "caller" else "autograd's CUDA device thread"
     title = (f"Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
-             f"{args.tokens} tokens), median of {len(runs)} process(es), backward on the {args.backward_thread}"
-             f"{' thread' if args.backward_thread == 'caller' else 's CUDA device thread'}")
+             f"{args.tokens} tokens), median of {len(runs)} process(es), backward on {where}")
     table = _table(runs)
     print(f"# {title}\n\n{environment()}\n\n{table}")
     if args.out:

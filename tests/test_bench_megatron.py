@@ -222,3 +222,16 @@ def test_caller_variants_run_backward_on_the_main_thread(tmp_path: Path) -> None
              "print(torch._C._is_multithreading_enabled(), r[0])")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]  # off on the main thread only
+
+
+def test_caller_variants_are_rated_against_the_caller_baseline() -> None:
+    """A ``-caller`` variant's ratio is to Megatron's BF16 with its backward on the caller too;
+    the others' to the default baseline."""
+    def result(variant: str, tps: float) -> bm.Result:
+        return bm.Result("dense-1b", variant, 1e3 / tps, tps, 1.0, "", 0, "")
+
+    rows = bm.table([result("megatron-bf16", 100.0), result("megatron-bf16-caller", 200.0),
+                     result("ours-tensorwise", 150.0), result("ours-tensorwise-caller", 300.0)]).splitlines()
+    ratio = {row.split()[1]: row.split()[4] for row in rows[1:]}
+    assert ratio == {"megatron-bf16": "1.000x", "megatron-bf16-caller": "1.000x", "ours-tensorwise": "1.500x",
+                     "ours-tensorwise-caller": "1.500x"}

@@ -134,7 +134,8 @@ def test_one_quantizers_step_equals_the_stacked_one(algo: str) -> None:
     """A lone quantizer's step (``kernels.delayed_state_alone``: its own launch, prepared at the
     first step and reused after, on the GPU) gives the bits of ``_advance_together`` of that one
     quantizer (the ``[1, L]`` launch), over histories holding NaN, +inf, zeros and ordinary
-    amaxes; a copy leaves the prepared launch out and prepares its own."""
+    amaxes; a copy leaves the prepared launch out and prepares its own; one quantizer's history
+    is its own one-row stack (a grouped layer with one expert records into it in the kernel)."""
     import copy
 
     from megatron_fp8.quant.tensor_scaling import DelayedScalingQuantizer as Q
@@ -143,6 +144,7 @@ def test_one_quantizers_step_equals_the_stacked_one(algo: str) -> None:
     recipe = DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo=algo)
     alone, stacked = Q(E4, recipe, device=DEVICE), Q(E4, recipe, device=DEVICE)
     g = torch.Generator().manual_seed(3)
+    first = None
     for step in range(1, 7):
         hist = torch.rand(16, generator=g) * 2.0**step
         if step in (2, 3, 5):  # a NaN newest, an inf inside, an all-zero history
@@ -154,14 +156,21 @@ def test_one_quantizers_step_equals_the_stacked_one(algo: str) -> None:
                           (alone.amax_history, stacked.amax_history)):
             assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)), step
         assert alone.step == stacked.step == step
+        assert alone._row is None and stacked._row is not None  # the two paths, not one twice
+        if ON_GPU:  # prepared at the first step, the same launch reused after
+            first = first or alone._launch
+            assert first is not None and alone._launch is first
         stacked.scale = alone.scale.clone()  # the next step starts from the same scale in both
-    if ON_GPU:
-        assert alone._launch is not None  # prepared, and reused from the second step
+    assert Q._stack_of([alone]) is not None and Q._stack_of([alone])[0].data_ptr() == alone.amax_history.data_ptr()
     twin = copy.deepcopy(alone)
     assert twin._launch is None
     twin._advance_to(7)
     alone._advance_to(7)
-    assert torch.equal(twin.scale.view(torch.int32), alone.scale.view(torch.int32))
+    if ON_GPU:
+        assert twin._launch is not None and twin._launch is not alone._launch  # its own
+    for got, want in ((twin.scale, alone.scale), (twin._scale_inv(), alone._scale_inv()),
+                      (twin.amax_history, alone.amax_history)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's delayed-scaling kernels")

@@ -217,7 +217,8 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         and cuda_cast.prebuild("tensor", fp8, device) is not None
 
     work = scales.fold_work(device)  # this route's atomic words (its casts run one after another)
-    fold: Any = None  # the fold's launch, prepared at the first call
+    fold: Any = None  # the fold's launch, prepared at the first call (on x's device only: it keeps that device)
+    preparable = x.is_cuda and device.index == torch.cuda.current_device()
 
     def run(x: torch.Tensor) -> Cast:
         nonlocal fold
@@ -230,7 +231,7 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
                 fold(x, work, hist)
             else:  # the first call, or a tensor the prepared launch's alignment does not cover
                 prepared = scales.prepared_fold(x, hist, work)
-                if fold is None and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
+                if fold is None and preparable and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
                     fold = prepared
         else:
             fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))

@@ -289,7 +289,10 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
     @staticmethod
     def _stack_of(peers: Sequence[DelayedScalingQuantizer]) -> torch.Tensor | None:
         """The ``[E, L]`` tensor whose row ``i`` is ``peers[i].amax_history``, where a stacked
-        advance left them so (and nothing has replaced a history since), else None."""
+        advance left them so (and nothing has replaced a history since), else None. One peer's
+        is a view of its own history (a lone step, ``_advance_to``, keeps no stack)."""
+        if len(peers) == 1:
+            return peers[0].amax_history.unsqueeze(0)
         rows = [getattr(p, "_row", None) for p in peers]
         if rows[0] is None:
             return None

@@ -4,8 +4,8 @@ the module tree, and their steps alternate round by round, so a drift of the mac
 speed (measured at up to ~35% between processes on the device) hits both alike. Prints host and
 device ms per step (median over rounds, and the spread) and the ratio new / old per round.
 
-    python scripts/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15]
-    python scripts/ab_host.py --old _ab/old --new . --layer linear --tokens 256 --k 2048 --n 2048
+    python scripts/probes/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15]
+    python scripts/probes/ab_host.py --old _ab/old --new . --layer linear --tokens 256 --k 2048 --n 2048
 """
 
 from __future__ import annotations

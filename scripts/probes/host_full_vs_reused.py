@@ -7,7 +7,7 @@ takes 33 us). Host and device us of both, with the one-launch cast on and off, a
     python scripts/probes/host_full_vs_reused.py gc           # with the garbage collector on and off
     python scripts/probes/host_full_vs_reused.py isolate      # reused steps plus a weight cast dropped / kept
     python scripts/probes/host_full_vs_reused.py threads      # backward on the engine's device thread or the caller's
-    python scripts/probes/host_full_vs_reused.py sync         # any step that synchronizes with the GPU (raises there)
+    python scripts/probes/host_full_vs_reused.py sync         # a sync torch knows of inside a step (raises there)
     python scripts/probes/host_full_vs_reused.py spin full 8  # 8 s of steps, for a sampling profiler
 """
 
@@ -135,8 +135,9 @@ def threads(rounds: int = 2) -> None:
 
 
 def syncs() -> None:
-    """Run full and reused steps with CUDA's sync debug mode at "error": the traceback names any
-    operation that waits for the GPU (a sync costs the queued kernels' time on the host)."""
+    """Run full and reused steps with CUDA's sync debug mode at "error": the traceback names an
+    operation torch knows to wait for the GPU (a sync costs the queued kernels' time on the
+    host); waits inside the driver or cuBLASLt go unseen (``host_coop.py`` times the routes)."""
     import traceback
 
     x, dy = _inputs()

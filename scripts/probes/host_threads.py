@@ -198,6 +198,8 @@ def main() -> None:
                     help="pin the calling thread and the engine's device thread to these cores")
     args = ap.parse_args()
     if args.pin:
+        if DEVICE != "cuda":
+            ap.error("--pin: a CUDA backward's engine thread only (off CUDA the backward runs on the caller)")
         pin(*args.pin)
         print(f"calling thread on core {args.pin[0]}, engine device thread on core {args.pin[1]}")
     if args.breakdown:
