@@ -244,9 +244,8 @@ def delayed_state_alone(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: t
         launch(history, scale, 1, new_hist, sc, inv)
         return sc, inv, new_hist, launch
     hist_len = history.shape[0]
-    launch = _DELAYED_STATE.prepare((1,), 6, history, scale, 1, new_hist, sc, inv, hist_len, FMAX=fp8_max(fp8_dtype),
-                                    MARGIN_DIV=float(2**margin), ALGO_MAX=algo_max,
-                                    BL=triton.next_power_of_2(hist_len), num_warps=4)
+    launch = _DELAYED_STATE.prepare((1,), 6, history, scale, 1, new_hist, sc, inv, hist_len,
+                                    **_state_options(fp8_dtype, margin, algo_max, hist_len))
     return sc, inv, new_hist, launch
 
 
@@ -254,10 +253,17 @@ def prepared_fold(x: torch.Tensor, history: torch.Tensor, work: torch.Tensor) ->
     """``fold_amax_into(x, history, work)`` now, and its launch for tensors like these (same
     shapes and dtypes, 16-byte aligned), called ``f(x, work, history)``; None where launches here
     are not the prepared kind (the caller then calls ``fold_amax_into``)."""
+    grid, args = _fold_arguments(x, history, work)
+    return _AMAX_FOLD.prepare(grid, 3, *args, R=_R, BK=_BK, num_warps=4)
+
+
+def _fold_arguments(x: torch.Tensor, history: torch.Tensor, work: torch.Tensor
+                    ) -> tuple[tuple[int, int], tuple[object, ...]]:
+    """The grid and arguments of ``x``'s amax fold (``_amax_fold_kernel``), ``x``, ``work`` and
+    ``history`` first (what a prepared launch takes anew)."""
     m, k = x.shape
     n_r, s, k_per = _amax_grid(m, k)
-    return _AMAX_FOLD.prepare((n_r, s), 3, x, work, history, m, k, k_per, history.shape[0], R=_R, BK=_BK,
-                              num_warps=4)
+    return (n_r, s), (x, work, history, m, k, k_per, history.shape[0])
 
 
 def fold_work(device: torch.device) -> torch.Tensor:
@@ -271,9 +277,8 @@ def fold_amax_into(x: torch.Tensor, history: torch.Tensor, work: torch.Tensor) -
     in one launch that allocates nothing: the programs meet in ``work`` (``fold_work``), which
     each launch leaves zeroed. One ``work`` serves one caller's launches, one after another (a
     quantizer's casts, on one stream); never two launches at once."""
-    m, k = x.shape
-    n_r, s, k_per = _amax_grid(m, k)
-    _AMAX_FOLD((n_r, s), x, work, history, m, k, k_per, history.shape[0], R=_R, BK=_BK, num_warps=4)
+    grid, args = _fold_arguments(x, history, work)
+    _AMAX_FOLD(grid, *args, R=_R, BK=_BK, num_warps=4)
 
 
 def delayed_state(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int,
@@ -284,10 +289,15 @@ def delayed_state(history: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
     e, hist_len = history.shape
     sc, inv = aligned_scalars(e, history.device), aligned_scalars(e, history.device)
     new_hist = torch.empty_like(history)
-    _DELAYED_STATE((e,), history, scale, scale.stride(0), new_hist, sc, inv, hist_len, FMAX=fp8_max(fp8_dtype),
-                   MARGIN_DIV=float(2**margin), ALGO_MAX=algo_max, BL=triton.next_power_of_2(hist_len),
-                   num_warps=4)
+    _DELAYED_STATE((e,), history, scale, scale.stride(0), new_hist, sc, inv, hist_len,
+                   **_state_options(fp8_dtype, margin, algo_max, hist_len))
     return sc, inv, new_hist
+
+
+def _state_options(fp8_dtype: torch.dtype, margin: int, algo_max: bool, hist_len: int) -> dict[str, object]:
+    """``_delayed_state_kernel``'s constexprs and warps, one set for the stacked and the lone step."""
+    return dict(FMAX=fp8_max(fp8_dtype), MARGIN_DIV=float(2**margin), ALGO_MAX=algo_max,
+                BL=triton.next_power_of_2(hist_len), num_warps=4)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int = 0, power_2_scale: bool = False,

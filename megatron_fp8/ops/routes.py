@@ -227,11 +227,12 @@ def _delayed_cast(q: DelayedScalingQuantizer, x: torch.Tensor, rowwise: bool, co
         q._advance()
         hist = q.amax_history
         if hist.is_contiguous():  # the amax joins the history in its one launch
-            if fold is not None and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
+            aligned = not (x.data_ptr() % 16 or hist.data_ptr() % 16)
+            if fold is not None and aligned:
                 fold(x, work, hist)
             else:  # the first call, or a tensor the prepared launch's alignment does not cover
                 prepared = scales.prepared_fold(x, hist, work)
-                if fold is None and preparable and not (x.data_ptr() % 16 or hist.data_ptr() % 16):
+                if fold is None and preparable and aligned:
                     fold = prepared
         else:
             fold_amax(hist, scales.amax_and_scale(x, torch.float8_e4m3fn, scale=False)[0].view(()))

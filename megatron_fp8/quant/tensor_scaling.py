@@ -328,7 +328,7 @@ class DelayedScalingQuantizer(_PerTensorQuantizer):
         p0 = peers[0]
         stack = DelayedScalingQuantizer._stack_of(peers)
         if stack is None:
-            stack = torch.stack([p.amax_history for p in peers]) if len(peers) > 1 else p0.amax_history.unsqueeze(0)
+            stack = torch.stack([p.amax_history for p in peers])  # (one peer: _stack_of's view of its history)
         scales = torch.stack([p.scale for p in peers]) if len(peers) > 1 else p0.scale.reshape(1)
         fused = kernels.delayed_state(stack, scales, p0.fp8_dtype, margin=p0.recipe.margin,
                                       algo_max=p0.recipe.amax_compute_algo == "max")
