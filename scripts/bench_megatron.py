@@ -63,6 +63,7 @@ COMPILED_FUSIONS_OFF = ["--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
 # Megatron's own linears with our core attention (SDPA on CUDA): attention for attention
 BASELINE_SPEC = ["--spec", "megatron_fp8.megatron.plugin", "baseline_spec"]
+BASELINES = ("megatron-bf16", "megatron-bf16-caller")  # the variants run with it, and the ratios' references
 _PROJ = '  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n'
 _SHARED = '  - match: "*.shared_experts.linear_fc1"\n    save_original_input: true\n'
 FLAG_RULES = {"dense": "layers:\n" + _PROJ, "moe": "layers:\n" + _PROJ + _SHARED}  # the mission's placements
@@ -161,7 +162,7 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     layers = ["--num-layers", str(args.layers), "--seq-length", str(args.seq), "--max-position-embeddings",
               str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
               "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
-    spec = SPEC if v.ours else BASELINE_SPEC if v.name in ("megatron-bf16", "megatron-bf16-caller") else []
+    spec = SPEC if v.ours else BASELINE_SPEC if v.name in BASELINES else []
     fusions = NEEDS_TE_OR_APEX + (COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else [])
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
     if v.recipe is not None:
@@ -257,14 +258,14 @@ def from_logs(paths: list[str]) -> list[Result]:
 def _baseline(variant: str) -> str:
     """The run a variant's ratio is taken against: Megatron's BF16, with its backward on the
     calling thread too for a ``-caller`` variant."""
-    return "megatron-bf16-caller" if variant.endswith("-caller") else "megatron-bf16"
+    return BASELINES[1] if variant.endswith("-caller") else BASELINES[0]
 
 
 def table(results: list[Result]) -> str:
     rows = [f"{'config':9} {'variant':24} {'ms/iter':>8} {'tokens/s':>10} {'vs megatron':>11} {'max alloc MiB':>13}"
             f"  gemms"]
     base = {(r.config, r.variant): r.tokens_per_s for r in results
-            if r.variant in ("megatron-bf16", "megatron-bf16-caller") and r.tokens_per_s}
+            if r.variant in BASELINES and r.tokens_per_s}
     for r in results:
         key = (r.config, _baseline(r.variant))
         rel = f"{r.tokens_per_s / base[key]:.3f}x" if r.tokens_per_s and key in base else "-"
@@ -292,7 +293,7 @@ def plot(results: list[Result], path: str) -> None:
     fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
     for ax, cfg in zip(axes[0], configs):
         base = {r.variant: r.tokens_per_s for r in results
-                if r.config == cfg and r.tokens_per_s and r.variant in ("megatron-bf16", "megatron-bf16-caller")}
+                if r.config == cfg and r.tokens_per_s and r.variant in BASELINES}
         rs = [r for r in results if r.config == cfg and r.tokens_per_s and _baseline(r.variant) in base]
         if not rs:
             continue

@@ -47,7 +47,7 @@ for what in "${steps[@]}"; do
       else echo "hostfloor: no py-spy under /tmp/site (carry its wheel in .whl)"; fi ;;
     # the full step's excess over its glue plus routes: the engine's device thread, syncs, the
     # weight cast's place, then py-spy's native stacks of every thread (idle ones too)
-    hostexcess) (cd scripts/probes && timeout 150 python3 host_full_vs_reused.py threads && timeout 60 python3 host_full_vs_reused.py sync \
+    hostexcess) (cd scripts/probes && timeout 150 python3 host_threads.py --depths 1 && timeout 60 python3 host_full_vs_reused.py sync \
         && timeout 120 python3 host_full_vs_reused.py isolate) 2>&1 | tee "$OUT/host_excess.log"
       if [ -x /tmp/site/bin/py-spy ]; then for w in full reused; do
         timeout 90 /tmp/site/bin/py-spy record --native --threads --idle --rate 100 --format raw -o "$OUT/pyspy_$w.txt" -- \

@@ -6,7 +6,6 @@ takes 33 us). Host and device us of both, with the one-launch cast on and off, a
     python scripts/probes/host_full_vs_reused.py kernels      # GPU kernel time per step (torch.profiler)
     python scripts/probes/host_full_vs_reused.py gc           # with the garbage collector on and off
     python scripts/probes/host_full_vs_reused.py isolate      # reused steps plus a weight cast dropped / kept
-    python scripts/probes/host_full_vs_reused.py threads      # backward on the engine's device thread or the caller's
     python scripts/probes/host_full_vs_reused.py sync         # a sync torch knows of inside a step (raises there)
     python scripts/probes/host_full_vs_reused.py spin full 8  # 8 s of steps, for a sampling profiler
 """
@@ -103,37 +102,6 @@ def isolate(rounds: int = 2) -> None:
             print(f"round {rnd}: {name}: host {host:.1f} us per step")
 
 
-def threads(rounds: int = 2) -> None:
-    """Whether the excess is the hand-over between the caller's thread and the autograd engine's
-    CUDA device thread (a Python ``backward`` there takes the GIL): full, reused and BF16 steps
-    with the engine's multithreading on (the default: backward on the device thread) and off
-    (backward on the calling thread), alternated in one process; host us per step, and of
-    forward alone."""
-    x, dy = _inputs()
-    recipe = PRESETS[os.environ.get("RECIPE", "current")]
-    ref = torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device=DEVICE)
-    makers = {"full": lambda: _warm(x, dy, recipe, False)[1], "reused": lambda: _warm(x, dy, recipe, True)[1],
-              "bf16": lambda: ref}
-    for rnd in range(rounds):
-        for name, make in makers.items():
-            layer = make()
-            for multi in (True, False):
-                with torch.autograd.set_multithreading_enabled(multi):
-                    step = train_step(layer, x, dy, None if name == "bf16" else recipe)
-                    for _ in range(5):
-                        step()
-                    host = host_and_device_ms(step, 400)[0] * 1e3 if x.is_cuda else wall_us(step, 3)
-
-                    def fwd(layer: torch.nn.Module = layer, name: str = name) -> None:
-                        import contextlib
-
-                        with mf.fp8_autocast(fp8_recipe=recipe) if name != "bf16" else contextlib.nullcontext():
-                            layer(x)
-                    fwd_host = host_and_device_ms(fwd, 400)[0] * 1e3 if x.is_cuda else wall_us(fwd, 3)
-                print(f"round {rnd}: {name}, backward on {'device thread' if multi else 'caller'}: "
-                      f"host {host:.1f} us per step, forward alone {fwd_host:.1f} us")
-
-
 def syncs() -> None:
     """Run full and reused steps with CUDA's sync debug mode at "error": the traceback names an
     operation torch knows to wait for the GPU (a sync costs the queued kernels' time on the
@@ -191,8 +159,6 @@ if __name__ == "__main__":
             count += 50
         torch.cuda.synchronize()
         print(f"{which}: {seconds * 1e6 / count:.1f} us per step")
-    elif len(sys.argv) > 1 and sys.argv[1] == "threads":
-        threads()
     elif len(sys.argv) > 1 and sys.argv[1] == "sync":
         syncs()
     elif len(sys.argv) > 1 and sys.argv[1] == "isolate":
