@@ -75,25 +75,29 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def train_step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: Any = None,
-               splits: Sequence[int] | None = None, autocast: Callable[..., Any] | None = None
-               ) -> Callable[[], None]:
+               splits: Sequence[int] | None = None, autocast: Callable[..., Any] | None = None,
+               routed: Sequence[Sequence[int]] | None = None) -> Callable[[], None]:
     """A forward+backward closure over ``module`` (grads of ``x`` and the parameters reset each
     call): under ``fp8_autocast(recipe)`` unless ``recipe`` is None; ``splits``: a grouped
-    layer's per-expert token counts; ``autocast``: the ``fp8_autocast`` to use (default: the
-    imported package's, bound now; ``ab_host.py`` passes each checkout's own)."""
+    layer's per-expert token counts; ``routed``: instead, one list of counts per step, taken in
+    turn (a router's splits change every step); ``autocast``: the ``fp8_autocast`` to use
+    (default: the imported package's, bound now; ``ab_host.py`` passes each checkout's own)."""
     import contextlib
+    import itertools
 
     if autocast is None:
         from megatron_fp8 import fp8_autocast as autocast
 
     params = list(module.parameters())
+    turn = itertools.cycle(routed) if routed else itertools.repeat(splits)
 
     def step() -> None:
         x.grad = None
         for p in params:
             p.grad = None
+        counts = next(turn)
         with autocast(fp8_recipe=recipe) if recipe is not None else contextlib.nullcontext():
-            y = module(x) if splits is None else module(x, splits)
+            y = module(x) if counts is None else module(x, counts)
         y.backward(dy)
 
     return step

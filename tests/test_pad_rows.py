@@ -40,3 +40,37 @@ def test_pad_in_one_pass_equals_zeros_and_index_copy(splits: list[int], align: i
     assert torch.equal(bits(got), bits(want))
     got_padded = Padded(rows, sum(padded)).pad(x)  # the layers' call: the kernel on this device
     assert torch.equal(bits(got_padded), bits(want))
+
+
+def _index_by_torch(splits: list[int], align: int) -> torch.Tensor:
+    """The padded row of each real row, built row by row on the host (the definition)."""
+    out, pad_start = [], 0
+    for m in splits:
+        out += [pad_start + i for i in range(m)]
+        pad_start += -(-m // align) * align
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("splits, align", [
+    ([37, 0, 130, 5, 0, 128, 1], 128),
+    ([0, 0, 3], 16),
+    ([5, 0, 0], 128),
+    ([0, 0], 128),
+    ([1500], 128),
+    (None, 128),  # 64 router-like experts, some empty
+])
+def test_expert_index_in_one_launch_equals_the_definition(splits: list[int] | None, align: int) -> None:
+    """``expert_rows``'s index from one Triton launch (``kernels.expert_index``) == the padded row of
+    every real row computed on the host, for empty experts first, last and between, no rows at
+    all, one expert, and many experts; int64, on the device."""
+    from megatron_fp8.quant import kernels
+
+    if splits is None:
+        g = torch.Generator().manual_seed(3)
+        splits = [int(v) if v % 5 else 0 for v in torch.randint(0, 300, (64,), generator=g)]
+    padded = [-(-m // align) * align for m in splits]
+    got = kernels.expert_index(splits, padded, torch.device(DEV))
+    assert got is not None and got.dtype == torch.int64 and got.device.type == DEV
+    assert torch.equal(got.cpu(), _index_by_torch(splits, align))
+    rows, padded_out = expert_rows(splits, align, torch.device(DEV))
+    assert padded_out == padded and torch.equal(rows.cpu(), got.cpu())

@@ -9,6 +9,10 @@ that follows each of them: the rows between ``rows[i] + 1`` and the next real ro
 ``total``). Padding always follows an expert's real rows (``ops.padding.expert_rows``: an
 expert's padded rows start at its first real row, and an expert without rows has none), so every
 zero row has such a real row before it. A pure copy: the result is bitwise the torch way's.
+
+``expert_index`` builds that index (``ops.padding.expert_rows``) in one launch from the experts'
+real and padded prefix sums, where torch's ``arange + repeat_interleave`` took five launches and
+~200 us of host time a router step (``scripts/probes/host_breakdown.py``, run AN).
 """
 
 from __future__ import annotations
@@ -41,7 +45,18 @@ def _pad_rows_kernel(x_ptr, rows_ptr, out_ptr, M, K, TOTAL, BR: tl.constexpr, BK
         tl.store(out_ptr + (dest + 1 + j)[:, None] * K + offs_k[None, :], zero, mask=z)
 
 
-_pad = Launcher(_pad_rows_kernel)
+@triton.jit
+def _index_kernel(real_ptr, pad_ptr, out_ptr, M, E, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    shift = tl.zeros([BLOCK], dtype=tl.int64)
+    for e in range(0, E):  # starts ascend: the last expert starting at or before a row holds it
+        start = tl.load(real_ptr + e)
+        shift = tl.where(offs >= start, tl.load(pad_ptr + e) - start, shift)
+    tl.store(out_ptr + offs, offs.to(tl.int64) + shift, mask=offs < M)
+
+
+_pad, _index = Launcher(_pad_rows_kernel), Launcher(_index_kernel)
+_BLOCK_I = 1024  # index entries a program writes
 
 
 def serves(x: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -61,4 +76,14 @@ def pad_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty((total, k), dtype=x.dtype, device=x.device)
     _pad((cdiv(m, _BLOCK_R), cdiv(k, _BLOCK_K)), x, rows, out, m, k, total, BR=_BLOCK_R, BK=_BLOCK_K)
+    return out
+
+
+def expert_index(real_offsets: torch.Tensor, padded_offsets: torch.Tensor, m: int) -> torch.Tensor:
+    """The padded row of each of ``m`` real rows: row ``i`` of expert ``e`` goes to
+    ``i - real_offsets[e] + padded_offsets[e]``. Both offsets are the experts' int64 prefix sums
+    ``[E + 1]`` on one device (``quant.kernels.segment_offsets``), ``m`` the real total."""
+    out = torch.empty(m, dtype=torch.int64, device=real_offsets.device)
+    if m:
+        _index((cdiv(m, _BLOCK_I),), real_offsets, padded_offsets, out, m, real_offsets.numel() - 1, BLOCK=_BLOCK_I)
     return out

@@ -500,7 +500,7 @@ def grouped_linear(
     nothing is padded (high-precision GEMMs take any split)."""
     n = len(weights)
     check_float_input(x, weights[0], name)
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (a reshape to itself: a view and its backward node)
     splits = check_m_splits(m_splits, n, x2d.shape[0], name)
     # (high-precision GEMMs take any split: with FP8 off zero rows would change nothing)
     align = 1 if quantizers is None else pad_to if pad_to is not None else native_rows(quantizers, x2d.device)
@@ -533,6 +533,10 @@ def grouped_linear(
         if plan is not None and plan.serves(quantizers, splits):
             y = lean_grouped(x2d, plan, splits, w_fp8, fuse_wgrad_accumulation, weights, bias_list, rows, real)
             if y is not None:
-                return y.reshape(*x.shape[:-1], y.shape[-1])
-    y = _GroupedLinear.apply(x2d, args, rows, *weights, *bias_list)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+                return _unflat(y, x)
+    return _unflat(_GroupedLinear.apply(x2d, args, rows, *weights, *bias_list), x)
+
+
+def _unflat(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The 2-D output ``y`` shaped as ``x`` with its last dim ``y``'s; ``y`` itself for a 2-D ``x``."""
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

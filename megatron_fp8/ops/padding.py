@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..quant.kernels import PaddedRows, device_ints, pad_expert_rows
+from ..quant.kernels import PaddedRows, device_ints, expert_index, pad_expert_rows
 
 __all__ = ["Padded", "expert_rows", "pad_rows"]
 
@@ -20,8 +20,12 @@ def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tupl
     """For each real row (experts back to back), its row once every expert is padded to a multiple
     of ``align``; and the padded splits. The counts and shifts reach the device through
     ``kernels.device_ints`` (pinned, no sync, kept for the last few lists, safe under CUDA graph
-    capture); the index is three small launches from them."""
+    capture); the index is three small launches from them, or one where the Triton kernels run
+    (``kernels.expert_index``, from the prefix sums the casts and GEMMs use too)."""
     padded = [-(-m // align) * align for m in splits]
+    rows = expert_index(splits, padded, torch.device(device))
+    if rows is not None:
+        return rows, padded
     shift, real_start, pad_start = [], 0, 0
     for m, p in zip(splits, padded):
         shift.append(pad_start - real_start)

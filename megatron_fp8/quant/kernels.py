@@ -80,6 +80,17 @@ def pad_expert_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Te
     return x.new_zeros((total, *x.shape[1:])).index_copy_(0, rows, x)
 
 
+def expert_index(real: Sequence[int], padded: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    """The padded row of each real row (``ops.padding.expert_rows``) in one Triton launch from the
+    experts' prefix sums (``segment_offsets``, which the casts and GEMMs of the same splits then
+    find on the device), where the kernels run on ``device``; else None (the caller builds it
+    with torch)."""
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") \
+            or cast_backend() not in ("auto", "triton") or _pad() is None:
+        return None
+    return _pad().expert_index(segment_offsets(real, device), segment_offsets(padded, device), sum(real))
+
+
 class PaddedRows(NamedTuple):
     """Experts' rows that a cast is to see zero-padded (``ops.padding``), held unpadded: ``x`` the
     real rows back to back, ``real`` their counts, ``rows`` the padded row of each real row and

@@ -4,7 +4,7 @@ the module tree, and their steps alternate round by round, so a drift of the mac
 speed (measured at up to ~35% between processes on the device) hits both alike. Prints host and
 device ms per step (median over rounds, and the spread) and the ratio new / old per round.
 
-    python scripts/probes/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15]
+    python scripts/probes/ab_host.py --old _ab/old --new . [--experts 8] [--tokens 2048] [--rounds 15] [--router]
     python scripts/probes/ab_host.py --old _ab/old --new . --layer linear --tokens 256 --k 2048 --n 2048
 """
 
@@ -71,6 +71,9 @@ def main() -> None:
     p.add_argument("--flag", action="store_true", help="save_original_input=True on both layers")
     p.add_argument("--ragged", type=int, default=0, metavar="MULTIPLE",
                    help="uneven token counts, each a multiple of MULTIPLE (seeded; the same total)")
+    p.add_argument("--router", action="store_true",
+                   help="a new top-2 router split of the same total each step (16 in turn), as profile_host.py's "
+                        "router rows")
     args = p.parse_args()
     splits: list[int] | None = [args.tokens] * args.experts
     if args.ragged:
@@ -78,8 +81,13 @@ def main() -> None:
         units = args.experts * args.tokens // args.ragged
         cuts = sorted(torch.randint(0, units + 1, (args.experts - 1,), generator=g).tolist())
         splits = [(b - a) * args.ragged for a, b in zip([0, *cuts], [*cuts, units])]
+    routed = None
+    if args.router:
+        from megatron_fp8.testing import router_splits
+
+        routed = [router_splits(args.experts * args.tokens, args.experts, 2, seed=s) for s in range(16)]
     if args.layer == "linear":
-        splits = None
+        splits = routed = None
     rows = args.tokens if splits is None else sum(splits)
     x = torch.randn(rows, args.k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(rows, args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
@@ -95,7 +103,7 @@ def main() -> None:
                 layer = mod["GroupedLinear"](args.experts, args.k, args.n, bias=False, params_dtype=torch.bfloat16,
                                              device="cuda", save_original_input=args.flag)
             steps[(rname, tag)] = train_step(layer, x, dy, mod["PRESETS"][rname], splits,  # type: ignore[index]
-                                             autocast=mod["fp8_autocast"])
+                                             autocast=mod["fp8_autocast"], routed=routed)
     got: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in steps}
     for _ in range(args.rounds):
         for key, step in steps.items():
@@ -111,7 +119,9 @@ def main() -> None:
         ratios = [n[0] / o[0] for n, o in zip(got[(rname, "new")], got[(rname, "old")])]
         rows.append([rname, "new / old host, median of rounds", statistics.median(ratios),
                      (max(ratios) - min(ratios)), "-"])
-    what = f"Linear, {args.tokens} tokens" if splits is None else f"{args.experts} experts, splits {splits}"
+    what = (f"Linear, {args.tokens} tokens" if splits is None else
+            f"{args.experts} experts, {len(routed)} router splits of {sum(splits)} rows in turn" if routed else
+            f"{args.experts} experts, splits {splits}")
     print(f"{what}, K={args.k}, N={args.n}, save_original_input={args.flag}, "
           f"{args.rounds} rounds of 20 steps")
     print(markdown_table(["recipe", "checkout", "host ms/step", "spread", "device ms/step"], rows))
