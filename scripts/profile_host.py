@@ -5,14 +5,17 @@ Each step enters ``fp8_autocast`` anew and so casts the weight again; the rows "
 reused" pass ``is_first_microbatch=False``, as Megatron's loop does after an iteration's first
 micro-batch (a diagnostic beside the issue's rows).
 
-On CUDA, host time is the wall time of issuing ``--calls`` back-to-back steps (the GPU is not
-waited on; device time is given beside it: host >= device means the step is launch-bound; 100
-steps a row by default). On
-a CPU there is no asynchronous device: the wall time per step is printed (a proxy for Python and
-dispatch cost at these small shapes, not the GPU's numbers). ``--processes N`` runs the
-measurement in N fresh processes and prints the median of each host time, and of each row's
-ratio to the reference measured in its own process (with the range over the processes: the
-host's speed moves between rounds and machines, docs/benchmarks.md run AL). The rows marked "general
+On CUDA, host time is the wall time of issuing back-to-back steps (the GPU is not waited on;
+device time is given beside it: host >= device means the step is launch-bound). On a CPU there
+is no asynchronous device: the wall time per step is printed (a proxy for Python and dispatch
+cost at these small shapes, not the GPU's numbers). Each row has a layer of its own, and a
+process times every row in ``--rounds`` rounds (5) of ``--calls / --rounds`` steps (100 in all),
+in an order rotated each round: a row's ratio to its reference is the median of the two's
+ratios within a round, so a drift of the host's speed during the process (run AN's single-pass
+table spread 2.3-7.1x for one row over three processes) reaches both alike. ``--processes N``
+runs the measurement in N fresh processes and prints the median of each host time, and of each
+row's ratio (with the range over the processes: the host's speed moves between rounds and
+machines, docs/benchmarks.md run AL). The rows marked "general
 path" run our ``Linear`` and ``GroupedLinear`` with ``MEGATRON_FP8_LEAN=0`` (without the lean eager paths), for the
 comparison in the same processes; on CUDA the rows "CUDA graphs" run it with ``MEGATRON_FP8_GRAPHS=1``
 (ops/graphed.py: each step replays the layer's captured forward and backward). Each step runs
@@ -22,7 +25,7 @@ by 30-60), which Megatron-LM's loop pays once per micro-batch, not per layer (ru
 ``--backward-thread caller`` keeps the backward on the calling thread, references included.
 
     python scripts/profile_host.py [--tokens 256] [--k 2048] [--n 2048] [--experts 8] [--processes 3]
-                                   [--backward-thread engine|caller]
+                                   [--calls 100] [--rounds 5] [--backward-thread engine|caller]
 """
 
 from __future__ import annotations
@@ -119,58 +122,118 @@ def _routed_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, reci
     return step
 
 
-def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """(row label, host us, device us) for every row of the table."""
+Row = tuple[str, float, float, float | None]  # label, host us, device us, ratio to its reference (None: not taken)
+
+
+def _steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], None]]]:
+    """(row label, step) for every row of the table, each row with a layer of its own (so that
+    rows measured in turn never switch a layer's recipe or settings between rounds)."""
     dt, t, k, n, e = torch.bfloat16, args.tokens, args.k, args.n, args.experts
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(t, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
     dy = torch.randn(t, n, device=DEVICE, dtype=dt, generator=g)
-    rows: list[tuple[str, float, float]] = []
+    steps: list[tuple[str, Callable[[], None]]] = []
 
-    def add(label: str, step: Callable[[], None]) -> None:
-        rows.append((label, *_host_device_us(step, args.calls)))
+    def linear() -> mf.Linear:
+        return mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
 
-    add("BF16 nn.Linear", _fwd_bwd(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=dt), x, dy, None))
-    ours = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
-    add("our Linear, FP8 off", _fwd_bwd(ours, x, dy, None))
+    steps.append(("BF16 nn.Linear", _fwd_bwd(torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=dt), x, dy, None)))
+    steps.append(("our Linear, FP8 off", _fwd_bwd(linear(), x, dy, None)))
     for name in ("current", "blockwise", "delayed"):
-        add(f"our Linear, {name}", _fwd_bwd(ours, x, dy, PRESETS[name]))
+        steps.append((f"our Linear, {name}", _fwd_bwd(linear(), x, dy, PRESETS[name])))
     for name in ("current", "blockwise", "delayed"):  # the same without the lean eager path (ops/lean.py)
-        add(f"our Linear, {name}, general path", _general(_fwd_bwd(ours, x, dy, PRESETS[name])))
+        steps.append((f"our Linear, {name}, general path", _general(_fwd_bwd(linear(), x, dy, PRESETS[name]))))
     for name in ("current", "blockwise", "delayed"):  # Megatron's later micro-batches: the weight's cast kept
-        cached = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
-        add(f"our Linear, {name}, weight cast reused", _fwd_bwd(cached, x, dy, PRESETS[name], False))
+        steps.append((f"our Linear, {name}, weight cast reused", _fwd_bwd(linear(), x, dy, PRESETS[name], False)))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
-    add("our Linear, blockwise HYBRID", _fwd_bwd(ours, x, dy, Float8BlockScaling(fp8_format=Format.HYBRID)))
+    steps.append(("our Linear, blockwise HYBRID",
+                  _fwd_bwd(linear(), x, dy, Float8BlockScaling(fp8_format=Format.HYBRID))))
     xe = torch.randn(t * e, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
     dye = torch.randn(t * e, n, device=DEVICE, dtype=dt, generator=g)
     even = [t] * e
+
+    def grouped() -> GroupedLinear:
+        return GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=DEVICE)
+
     if hasattr(torch, "_grouped_mm") and CUDA:
         w = torch.randn(e, n, k, device=DEVICE, dtype=dt, generator=g, requires_grad=True)
-        add(f"BF16 torch._grouped_mm ({e} experts)", _grouped_mm_step(xe, w, even, dye))
-    grouped = GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=DEVICE)
-    add("our GroupedLinear, FP8 off, even splits", _fwd_bwd(grouped, xe, dye, None, even))
+        steps.append((f"BF16 torch._grouped_mm ({e} experts)", _grouped_mm_step(xe, w, even, dye)))
+    steps.append(("our GroupedLinear, FP8 off, even splits", _fwd_bwd(grouped(), xe, dye, None, even)))
     for name in ("current", "blockwise"):
-        add(f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped, xe, dye, PRESETS[name], even))
+        steps.append((f"our GroupedLinear, {name}, even splits", _fwd_bwd(grouped(), xe, dye, PRESETS[name], even)))
     for name in ("current", "blockwise"):
-        add(f"our GroupedLinear, {name}, router splits", _routed_step(grouped, xe, dye, PRESETS[name], _routed(t, e)))
+        steps.append((f"our GroupedLinear, {name}, router splits",
+                      _routed_step(grouped(), xe, dye, PRESETS[name], _routed(t, e))))
     for name in ("current", "blockwise"):  # the same without the lean grouped path (ops/lean_grouped.py)
-        add(f"our GroupedLinear, {name}, even splits, general path",
-            _general(_fwd_bwd(grouped, xe, dye, PRESETS[name], even)))
+        steps.append((f"our GroupedLinear, {name}, even splits, general path",
+                      _general(_fwd_bwd(grouped(), xe, dye, PRESETS[name], even))))
     for name in ("current", "blockwise"):
-        add(f"our GroupedLinear, {name}, router splits, general path",
-            _general(_routed_step(grouped, xe, dye, PRESETS[name], _routed(t, e))))
-    if CUDA:  # the experimental per-layer CUDA graphs (ops/graphed.py), last: a failed capture may end the process
+        steps.append((f"our GroupedLinear, {name}, router splits, general path",
+                      _general(_routed_step(grouped(), xe, dye, PRESETS[name], _routed(t, e)))))
+    if CUDA:  # the experimental per-layer CUDA graphs (ops/graphed.py), last in every round
         for name in ("current", "blockwise"):
-            graphed = mf.Linear(k, n, bias=False, params_dtype=dt, device=DEVICE)
+            graphed = linear()
             for label, first in ((f"our Linear, {name}, CUDA graphs (MEGATRON_FP8_GRAPHS=1)", None),
                                  (f"our Linear, {name}, CUDA graphs, weight cast reused", False)):
+                steps.append((label, _with_env(_fwd_bwd(graphed, x, dy, PRESETS[name], first),
+                                               "MEGATRON_FP8_GRAPHS", "1")))
+    return steps
+
+
+def _order(labels: list[str], turn: int) -> list[str]:
+    """Round ``turn``'s order: the rows rotated by ``turn`` (a drift of the host's speed within the
+    process is spread over every row), the CUDA-graph rows last (a failed capture may leave the
+    process's CUDA state unusable, ops/graphed.py)."""
+    plain = [lab for lab in labels if "CUDA graphs" not in lab]
+    graphs = [lab for lab in labels if "CUDA graphs" in lab]
+    r = turn % len(plain) if plain else 0
+    return plain[r:] + plain[:r] + graphs
+
+
+def round_ratios(host: dict[str, list[float]]) -> dict[str, float | None]:
+    """Each row's ratio to its BF16 reference: the median over rounds of the two measured in the
+    same round (rounds where either was not measured are skipped); None without a reference."""
+    labels = list(host)
+    out: dict[str, float | None] = {}
+    for lab in labels:
+        ref = _reference(lab, labels)
+        pairs = [(a, b) for a, b in zip(host[lab], host[ref])] if ref is not None else []
+        ratios = [a / b for a, b in pairs if a == a and b == b and b > 0]  # (nan: a round without it)
+        out[lab] = statistics.median(ratios) if ratios else None
+    return out
+
+
+def measure(args: argparse.Namespace) -> list[Row]:
+    """(row label, host us, device us, ratio to its reference) for every row: ``--rounds`` rounds,
+    each timing every row for ``--calls / --rounds`` steps in a rotated order (``_order``); host
+    and device us are medians over the rounds, the ratio the median of the per-round ratios."""
+    steps = dict(_steps(args))
+    labels = list(steps)
+    calls = max(1, args.calls // args.rounds)
+    host: dict[str, list[float]] = {lab: [] for lab in labels}
+    dev: dict[str, list[float]] = {lab: [] for lab in labels}
+    failed: set[str] = set()
+    for turn in range(args.rounds):
+        for lab in _order(labels, turn):
+            if lab in failed:
+                h = d = float("nan")
+            else:
                 try:
-                    add(label, _with_env(_fwd_bwd(graphed, x, dy, PRESETS[name], first), "MEGATRON_FP8_GRAPHS", "1"))
-                except RuntimeError as exc:  # reported in the table as nan, and here
-                    print(f"{label}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    rows.append((label, float("nan"), float("nan")))
-    return rows
+                    h, d = _host_device_us(steps[lab], calls)
+                except RuntimeError as exc:  # a CUDA-graph row whose capture failed: nan in the table, and here
+                    if "CUDA graphs" not in lab:
+                        raise
+                    print(f"{lab}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    failed.add(lab)
+                    h = d = float("nan")
+            host[lab].append(h)
+            dev[lab].append(d)
+    ratios = round_ratios(host)
+
+    def median(v: list[float]) -> float:
+        real = [u for u in v if u == u]
+        return statistics.median(real) if real else float("nan")
+    return [(lab, median(host[lab]), median(dev[lab]), ratios[lab]) for lab in labels]
 
 
 def _reference(label: str, labels: list[str]) -> str | None:
@@ -181,22 +244,24 @@ def _reference(label: str, labels: list[str]) -> str | None:
     return "BF16 nn.Linear"
 
 
-def _table(runs: list[list[tuple[str, float, float]]]) -> str:
+def _table(runs: list[list[Row]] | list[list[tuple[str, float, float]]]) -> str:
     """Host us (median over the processes) and the ratio to the row's BF16 reference: each
     process's own ratio (the host's speed moved up to 2x between machines and ~30% between
     rounds on one, docs/benchmarks.md run AL, so a row is compared with the reference measured in
-    its own process), the median over the processes, and their range where there are several."""
+    its own process: in its own rounds where the process gives them, ``measure``), the median over
+    the processes, and their range where there are several."""
     labels = [r[0] for r in runs[0]]
     host = {lab: statistics.median(run[i][1] for run in runs) for i, lab in enumerate(labels)}
     dev = {lab: statistics.median(run[i][2] for run in runs) for i, lab in enumerate(labels)}
     per_run = [{r[0]: r[1] for r in run} for run in runs]  # each process's host us by label
+    given = [{r[0]: r[3] for r in run if len(r) > 3} for run in runs]  # each process's own ratios
     out = []
     for lab in labels:
         ref = _reference(lab, labels)
         if ref is None:
             ratio = "n/a"
         else:
-            ratios = [vals[lab] / vals[ref] for vals in per_run]
+            ratios = [g[lab] if g.get(lab) is not None else vals[lab] / vals[ref] for g, vals in zip(given, per_run)]
             ratio = f"{statistics.median(ratios):.2f}x"
             if len(ratios) > 1:
                 ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
@@ -211,7 +276,10 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--calls", type=int, default=100, help="steps timed back to back")
+    p.add_argument("--calls", type=int, default=100, help="steps timed per row, over all rounds")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds per process: every row timed in each, in a rotated order; a row's ratio is the "
+                        "median of its per-round ratios to its reference")
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
     p.add_argument("--out", default=None, help="also write the table to DIR/profile_host.md (scripts/probes/ab_env.py)")
     p.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
@@ -227,6 +295,8 @@ def main() -> None:
                     f"tokens of the experts' one-launch casts)")
     if args.n <= 0:
         p.error(f"--n={args.n}: must be positive")
+    if args.rounds < 1 or args.calls < args.rounds:
+        p.error(f"--rounds={args.rounds} with --calls={args.calls}: need 1 <= rounds <= calls")
     if args.json:
         print(json.dumps(measure(args)))
         return
@@ -238,7 +308,7 @@ def main() -> None:
         runs = [measure(args)]
     where = "the calling thread" if args.backward_thread == "caller" else "autograd's CUDA device thread"
     title = (f"Host cost per layer (T={args.tokens}, K={args.k}, N={args.n}; grouped: {args.experts} experts x "
-             f"{args.tokens} tokens), median of {len(runs)} process(es), backward on {where}")
+             f"{args.tokens} tokens), median of {len(runs)} process(es) of {args.rounds} rounds, backward on {where}")
     table = _table(runs)
     print(f"# {title}\n\n{environment()}\n\n{table}")
     if args.out:

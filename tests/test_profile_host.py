@@ -20,10 +20,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_table_from_two_processes(tmp_path: Path) -> None:
-    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--processes", "2",
+    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--rounds", "2", "--processes", "2",
                "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
-    assert "median of 2 process(es)" in out.stdout
+    assert "median of 2 process(es) of 2 rounds" in out.stdout
     assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 11  # the table, for ab_env.py
     for label in ("BF16 nn.Linear", "our Linear, FP8 off", "our Linear, current", "our Linear, blockwise",
                   "our Linear, blockwise HYBRID", "our Linear, delayed", "our Linear, current, general path",
@@ -69,3 +69,26 @@ def test_ratios_are_taken_within_each_process() -> None:
 def test_sizes_the_block_recipes_refuse_are_named() -> None:
     out = _run("--k", "100")
     assert out.returncode != 0 and "--k=100" in out.stderr and "multiple of 128" in out.stderr
+
+
+def test_rounds_pair_each_row_with_its_reference_of_the_same_round() -> None:
+    """The ratio of a row measured in rounds: the median of its per-round ratios to the reference
+    of the same round (a host that slowed down in round 2 slows both), rounds without a reading
+    skipped; the order rotates and keeps the CUDA-graph rows last."""
+    host = {"BF16 nn.Linear": [100.0, 300.0, 110.0], "our Linear, current": [300.0, 900.0, float("nan")],
+            "BF16 torch._grouped_mm (8 experts)": [50.0, 50.0, 50.0],
+            "our GroupedLinear, current, even splits": [200.0, 100.0, 150.0]}
+    ratios = profile_host.round_ratios(host)
+    assert ratios["our Linear, current"] == 3.0  # 3.0 in both rounds it was read; not 600 / 110 of the medians
+    assert ratios["our GroupedLinear, current, even splits"] == 3.0  # median of 4, 2, 3 against _grouped_mm
+    assert ratios["BF16 nn.Linear"] == 1.0
+    labels = ["a", "b", "c", "our Linear, current, CUDA graphs (MEGATRON_FP8_GRAPHS=1)"]
+    assert profile_host._order(labels, 1) == ["b", "c", "a", labels[3]]
+    assert profile_host._order(labels, 3) == labels
+    runs = [[("BF16 nn.Linear", 110.0, 1.0, 1.0), ("our Linear, current", 600.0, 1.0, 3.0)]]
+    assert "3.00x |" in profile_host._table(runs)  # the process's own ratio, not 600 / 110
+
+
+def test_rounds_must_fit_the_calls() -> None:
+    out = _run("--rounds", "0")
+    assert out.returncode != 0 and "--rounds=0" in out.stderr
