@@ -20,8 +20,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_table_from_two_processes(tmp_path: Path) -> None:
-    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--rounds", "2", "--processes", "2",
-               "--out", str(tmp_path))
+    out = _run("--tokens", "128", "--k", "128", "--n", "128", "--experts", "2", "--calls", "2", "--rounds", "2",
+               "--processes", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "median of 2 process(es) of 2 rounds" in out.stdout
     assert (tmp_path / "profile_host.md").read_text().count("| our Linear,") == 11  # the table, for ab_env.py

@@ -239,7 +239,8 @@ def block_choice() -> str:
     default: its ``scaled_mm``) or ``cublaslt`` (``matmul`` here: the kernel torch gets with
     ``CUBLASLT_WORKSPACE_SIZE=0``, without torch rebuilding descriptors and asking the heuristic
     on every call, which cost ~60 us of host time per block GEMM on the H200 against ~11-20 for a
-    bare cuBLASLt loop, docs/benchmarks-history.md run Y; opt-in until an eager step is timed)."""
+    bare cuBLASLt loop, docs/benchmarks-history.md run Y; opt-in: an eager blockwise ``Linear``
+    step took 8% more host time with it, docs/benchmarks.md run AN)."""
     return env_choice("MEGATRON_FP8_BLOCK_GEMM", "torch",
                       {"torch": "torch's scaled_mm", "cublaslt": "cuBLASLt called directly"})
 
@@ -248,8 +249,8 @@ def tensor_choice() -> str:
     """``MEGATRON_FP8_TENSOR_GEMM``: who runs the per-tensor-scaled GEMMs (current and delayed
     scaling) on CUDA, ``torch`` (the default: ``torch._scaled_mm``) or ``cublaslt`` (``matmul``
     here: the question torch asks cuBLASLt, with the descriptors and the heuristic's answer kept
-    per problem instead of rebuilt on every call; the same bits, but no host time saved beyond
-    the noise in an eager ``Linear`` step on the H100, docs/benchmarks.md run AK). The wgrads that
+    per problem instead of rebuilt on every call; the same bits, but no host time saved in an
+    eager ``Linear`` step on the H100: run AK within the noise, run AN 26% more). The wgrads that
     add themselves into ``main_grad`` (``gemm.accumulate``) call cuBLASLt whichever is set."""
     return env_choice("MEGATRON_FP8_TENSOR_GEMM", "torch",
                       {"torch": "torch's _scaled_mm, the default", "cublaslt": "cuBLASLt called directly"})
