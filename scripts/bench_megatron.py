@@ -91,6 +91,7 @@ def variants(names: list[str] | None) -> list[Variant]:
     all_ += [Variant(f"ours-{r}-general", True, r, general=True) for r in RECIPES]  # what the lean path buys
     all_ += [Variant(f"ours-{r}-graphs", True, r, graphs=True) for r in RECIPES if r != "delayed"]  # opt-in graphs
     # gradient-accumulation fusion in our linears only (Megatron's own layers would need apex for it)
+    all_ += [Variant("ours-bf16-fused", True, fused=True)]  # (the FP8-off layers fuse it the same way)
     all_ += [Variant(f"ours-{r}-fused", True, r, fused=True) for r in RECIPES if r != "delayed"]
     # the autograd engine's multithreading off on the training thread (a ``sitecustomize``): backward
     # runs on the thread that calls it, not on the engine's CUDA device thread (run AM)
