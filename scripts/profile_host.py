@@ -12,7 +12,8 @@ cost at these small shapes, not the GPU's numbers). Each row has a layer of its 
 process times every row in ``--rounds`` rounds (5) of ``--calls / --rounds`` steps (100 in all),
 in an order rotated each round: a row's ratio to its reference is the median of the two's
 ratios within a round, so a drift of the host's speed during the process (run AN's single-pass
-table spread 2.3-7.1x for one row over three processes) reaches both alike. ``--processes N``
+table spread 2.3-7.1x for one row over three processes) reaches both alike. The CUDA-graph rows
+have rounds of their own after the others, beside the reference timed again. ``--processes N``
 runs the measurement in N fresh processes and prints the median of each host time, and of each
 row's ratio (with the range over the processes: the host's speed moves between rounds and
 machines, docs/benchmarks.md run AL). The rows marked "general
@@ -170,24 +171,24 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], None]]]:
     for name in ("current", "blockwise"):
         steps.append((f"our GroupedLinear, {name}, router splits, general path",
                       _general(_routed_step(grouped(), xe, dye, PRESETS[name], _routed(t, e)))))
-    if CUDA:  # the experimental per-layer CUDA graphs (ops/graphed.py), last in every round
+    if CUDA:  # the experimental per-layer CUDA graphs (ops/graphed.py), timed after every other row
         for name in ("current", "blockwise"):
-            graphed = linear()
             for label, first in ((f"our Linear, {name}, CUDA graphs (MEGATRON_FP8_GRAPHS=1)", None),
                                  (f"our Linear, {name}, CUDA graphs, weight cast reused", False)):
-                steps.append((label, _with_env(_fwd_bwd(graphed, x, dy, PRESETS[name], first),
+                steps.append((label, _with_env(_fwd_bwd(linear(), x, dy, PRESETS[name], first),
                                                "MEGATRON_FP8_GRAPHS", "1")))
     return steps
 
 
-def _order(labels: list[str], turn: int) -> list[str]:
-    """Round ``turn``'s order: the rows rotated by ``turn`` (a drift of the host's speed within the
-    process is spread over every row), the CUDA-graph rows last (a failed capture may leave the
-    process's CUDA state unusable, ops/graphed.py)."""
-    plain = [lab for lab in labels if "CUDA graphs" not in lab]
-    graphs = [lab for lab in labels if "CUDA graphs" in lab]
-    r = turn % len(plain) if plain else 0
-    return plain[r:] + plain[:r] + graphs
+def _graphed(label: str) -> bool:
+    return "CUDA graphs" in label
+
+
+def _order(labels: list[str], turn: int, rounds: int) -> list[str]:
+    """Round ``turn``'s order of ``rounds``: the rows rotated by ``turn / rounds`` of their number,
+    so that a drift of the host's speed within the process is spread over every row."""
+    r = turn * len(labels) // rounds if labels else 0
+    return labels[r:] + labels[:r]
 
 
 def round_ratios(host: dict[str, list[float]]) -> dict[str, float | None]:
@@ -205,34 +206,41 @@ def round_ratios(host: dict[str, list[float]]) -> dict[str, float | None]:
 
 def measure(args: argparse.Namespace) -> list[Row]:
     """(row label, host us, device us, ratio to its reference) for every row: ``--rounds`` rounds,
-    each timing every row for ``--calls / --rounds`` steps in a rotated order (``_order``); host
-    and device us are medians over the rounds, the ratio the median of the per-round ratios."""
+    each timing every row for ``--calls // --rounds`` steps in a rotated order (``_order``); host
+    and device us are medians over the rounds, the ratio the median of the per-round ratios. The
+    CUDA-graph rows come after every other row's rounds, in rounds of their own with the
+    reference timed again in each: a failed capture may leave the process's CUDA state unusable
+    (ops/graphed.py), so it ends the graph rounds (the rows not timed read nan) and nothing else."""
     steps = dict(_steps(args))
     labels = list(steps)
+    plain = [lab for lab in labels if not _graphed(lab)]
     calls = max(1, args.calls // args.rounds)
     host: dict[str, list[float]] = {lab: [] for lab in labels}
     dev: dict[str, list[float]] = {lab: [] for lab in labels}
-    failed: set[str] = set()
     for turn in range(args.rounds):
-        for lab in _order(labels, turn):
-            if lab in failed:
-                h = d = float("nan")
-            else:
-                try:
-                    h, d = _host_device_us(steps[lab], calls)
-                except RuntimeError as exc:  # a CUDA-graph row whose capture failed: nan in the table, and here
-                    if "CUDA graphs" not in lab:
-                        raise
-                    print(f"{lab}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    failed.add(lab)
-                    h = d = float("nan")
+        for lab in _order(plain, turn, args.rounds):
+            h, d = _host_device_us(steps[lab], calls)
             host[lab].append(h)
             dev[lab].append(d)
-    ratios = round_ratios(host)
+    ratios = round_ratios({lab: host[lab] for lab in plain})
+    graph_ratios: dict[str, list[float]] = {lab: [] for lab in labels if _graphed(lab)}
+    reference = "BF16 nn.Linear"
+    for _ in range(args.rounds if graph_ratios else 0):
+        ref_us, _ = _host_device_us(steps[reference], calls)
+        try:
+            for lab in graph_ratios:
+                h, d = _host_device_us(steps[lab], calls)
+                host[lab].append(h)
+                dev[lab].append(d)
+                graph_ratios[lab].append(h / ref_us)
+        except RuntimeError as exc:  # its capture failed: nan where not timed, and said here
+            print(f"{lab}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            break
+    for lab, got in graph_ratios.items():
+        ratios[lab] = statistics.median(got) if got else None
 
     def median(v: list[float]) -> float:
-        real = [u for u in v if u == u]
-        return statistics.median(real) if real else float("nan")
+        return statistics.median(v) if v else float("nan")
     return [(lab, median(host[lab]), median(dev[lab]), ratios[lab]) for lab in labels]
 
 

@@ -74,3 +74,16 @@ def test_expert_index_in_one_launch_equals_the_definition(splits: list[int] | No
     assert torch.equal(got.cpu(), _index_by_torch(splits, align))
     rows, padded_out = expert_rows(splits, align, torch.device(DEV))
     assert padded_out == padded and torch.equal(rows.cpu(), got.cpu())
+
+
+def test_expert_rows_without_the_kernel_equals_the_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Triton kernels are turned off (``MEGATRON_FP8_CAST_BACKEND=eager``), the index is
+    torch's ``arange + repeat_interleave``: the same values."""
+    from megatron_fp8.quant import kernels
+
+    monkeypatch.setenv("MEGATRON_FP8_CAST_BACKEND", "eager")
+    splits = [37, 0, 130, 5, 0, 128, 1]
+    assert kernels.expert_index(splits, [128] * len(splits), torch.device(DEV)) is None
+    rows, padded = expert_rows(splits, 128, torch.device(DEV))
+    assert padded == [128, 0, 256, 128, 0, 128, 128]
+    assert torch.equal(rows.cpu(), _index_by_torch(splits, 128))

@@ -74,7 +74,7 @@ def test_sizes_the_block_recipes_refuse_are_named() -> None:
 def test_rounds_pair_each_row_with_its_reference_of_the_same_round() -> None:
     """The ratio of a row measured in rounds: the median of its per-round ratios to the reference
     of the same round (a host that slowed down in round 2 slows both), rounds without a reading
-    skipped; the order rotates and keeps the CUDA-graph rows last."""
+    skipped; the order rotates by a share of the rows each round."""
     host = {"BF16 nn.Linear": [100.0, 300.0, 110.0], "our Linear, current": [300.0, 900.0, float("nan")],
             "BF16 torch._grouped_mm (8 experts)": [50.0, 50.0, 50.0],
             "our GroupedLinear, current, even splits": [200.0, 100.0, 150.0]}
@@ -82,9 +82,9 @@ def test_rounds_pair_each_row_with_its_reference_of_the_same_round() -> None:
     assert ratios["our Linear, current"] == 3.0  # 3.0 in both rounds it was read; not 600 / 110 of the medians
     assert ratios["our GroupedLinear, current, even splits"] == 3.0  # median of 4, 2, 3 against _grouped_mm
     assert ratios["BF16 nn.Linear"] == 1.0
-    labels = ["a", "b", "c", "our Linear, current, CUDA graphs (MEGATRON_FP8_GRAPHS=1)"]
-    assert profile_host._order(labels, 1) == ["b", "c", "a", labels[3]]
-    assert profile_host._order(labels, 3) == labels
+    labels = ["a", "b", "c", "d", "e", "f"]
+    orders = [profile_host._order(labels, turn, 3) for turn in range(3)]
+    assert orders == [labels, ["c", "d", "e", "f", "a", "b"], ["e", "f", "a", "b", "c", "d"]]
     runs = [[("BF16 nn.Linear", 110.0, 1.0, 1.0), ("our Linear, current", 600.0, 1.0, 3.0)]]
     assert "3.00x |" in profile_host._table(runs)  # the process's own ratio, not 600 / 110
 

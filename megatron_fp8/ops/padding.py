@@ -20,8 +20,9 @@ def expert_rows(splits: Sequence[int], align: int, device: torch.device) -> tupl
     """For each real row (experts back to back), its row once every expert is padded to a multiple
     of ``align``; and the padded splits. The counts and shifts reach the device through
     ``kernels.device_ints`` (pinned, no sync, kept for the last few lists, safe under CUDA graph
-    capture); the index is three small launches from them, or one where the Triton kernels run
-    (``kernels.expert_index``, from the prefix sums the casts and GEMMs use too)."""
+    capture); the index is torch's ``arange + repeat_interleave`` on them (five launches), or one
+    launch where the Triton kernels run (``kernels.expert_index``, from the prefix sums the casts
+    and GEMMs use too)."""
     padded = [-(-m // align) * align for m in splits]
     rows = expert_index(splits, padded, torch.device(device))
     if rows is not None:

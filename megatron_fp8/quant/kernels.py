@@ -83,10 +83,14 @@ def pad_expert_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Te
 def expert_index(real: Sequence[int], padded: Sequence[int], device: torch.device) -> torch.Tensor | None:
     """The padded row of each real row (``ops.padding.expert_rows``) in one Triton launch from the
     experts' prefix sums (``segment_offsets``, which the casts and GEMMs of the same splits then
-    find on the device), where the kernels run on ``device``; else None (the caller builds it
-    with torch)."""
-    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") \
-            or cast_backend() not in ("auto", "triton") or _pad() is None:
+    find on the device), where the kernels run on ``device`` (on CUDA, the current device: the
+    launch goes to its stream); else None (the caller builds it with torch)."""
+    if device.type == "cuda":
+        if device.index is not None and device.index != torch.cuda.current_device():
+            return None
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    if cast_backend() not in ("auto", "triton") or _pad() is None:
         return None
     return _pad().expert_index(segment_offsets(real, device), segment_offsets(padded, device), sum(real))
 

@@ -85,7 +85,7 @@ def main() -> None:
     if args.router:
         from megatron_fp8.testing import router_splits
 
-        routed = [router_splits(args.experts * args.tokens, args.experts, 2, seed=s) for s in range(16)]
+        routed = [router_splits(sum(splits), args.experts, 2, seed=s) for s in range(16)]  # (--ragged's total too)
     if args.layer == "linear":
         splits = routed = None
     rows = args.tokens if splits is None else sum(splits)
