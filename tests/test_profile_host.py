@@ -4,10 +4,13 @@ every token, and sizes the block recipes cannot take are refused by name."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -92,3 +95,33 @@ def test_rounds_pair_each_row_with_its_reference_of_the_same_round() -> None:
 def test_rounds_must_fit_the_calls() -> None:
     out = _run("--rounds", "0")
     assert out.returncode != 0 and "--rounds=0" in out.stderr
+
+
+def test_graph_rows_are_timed_last_and_a_failed_capture_ends_only_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``measure`` with stand-in steps: the plain rows' rounds first, then the CUDA-graph rows in
+    rounds of their own beside the reference timed again; a graph row whose capture fails in the
+    second round leaves the readings taken so far and nan after, and every other row complete."""
+    g1 = "our Linear, current, CUDA graphs (MEGATRON_FP8_GRAPHS=1)"
+    g2 = "our Linear, current, CUDA graphs, weight cast reused"
+    labels = ["BF16 nn.Linear", "our Linear, current", g1, g2]
+    timed: list[str] = []
+    host_us = {"BF16 nn.Linear": 100.0, "our Linear, current": 300.0, g1: 200.0, g2: 150.0}
+
+    def fake_steps(args: argparse.Namespace) -> list[tuple[str, object]]:
+        return [(lab, lab) for lab in labels]
+
+    def fake_time(step: str, calls: int) -> tuple[float, float]:
+        if step == g2 and timed.count(g2) == 1:
+            raise RuntimeError("capture failed")
+        timed.append(step)
+        return host_us[step], 1.0
+
+    monkeypatch.setattr(profile_host, "_steps", fake_steps)
+    monkeypatch.setattr(profile_host, "_host_device_us", fake_time)
+    rows = profile_host.measure(argparse.Namespace(calls=30, rounds=3))
+    plain_part, graph_part = timed[:6], timed[6:]
+    assert sorted(plain_part) == sorted(labels[:2] * 3)  # every plain round before any graph row
+    assert graph_part == ["BF16 nn.Linear", g1, g2, "BF16 nn.Linear", g1]  # the failure ended the rounds
+    got = {r[0]: r for r in rows}
+    assert got["our Linear, current"][3] == 3.0 and got[g1][3] == 2.0 and got[g2][3] == 1.5
+    assert got[g1][1] == 200.0 and got[g2][1] == 150.0
