@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostfloor|hostexcess|linearab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -58,6 +58,12 @@ for what in "${steps[@]}"; do
     linearab) (cd scripts/probes && timeout 150 python3 ab_host.py --old ../../_ab/old --new ../.. --layer linear \
         --tokens 256 --k 2048 --n 2048 --recipes current blockwise delayed --rounds 20) 2>&1 | tee "$OUT/ab_linear.log"
       (cd scripts && timeout 200 python3 profile_host.py --processes 3) 2>&1 | tee "$OUT/profile_host.md" ;;
+    # a GroupedLinear's host time per step under two checkouts in one process (carry the old one in
+    # _ab/old as for linearab): a new router split each step, then even splits (the host table's shape)
+    groupedab) (cd scripts/probes && timeout 200 python3 ab_host.py --old ../../_ab/old --new ../.. --tokens 256 \
+        --k 2048 --n 2048 --recipes current blockwise --rounds 15 --router \
+        && timeout 150 python3 ab_host.py --old ../../_ab/old --new ../.. --tokens 256 --k 2048 --n 2048 \
+        --recipes current blockwise --rounds 15) 2>&1 | tee "$OUT/ab_grouped.log" ;;
     # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
     hostab) (cd scripts/probes && python3 ab_env.py --set MEGATRON_FP8_BLOCK_GEMM=torch --set MEGATRON_FP8_BLOCK_GEMM=cublaslt \
         --rounds 3 --key layer --column "host us per fwd+bwd" --match "Linear" -- ../profile_host.py) 2>&1 | tee "$OUT/ab_block_gemm.log" ;;
