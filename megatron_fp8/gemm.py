@@ -194,12 +194,13 @@ def cublaslt_scale(op: Operand) -> torch.Tensor:
 
 
 def _block_scale_layout(op: Operand) -> torch.Tensor:
-    """``scale_inv`` as ``scaled_mm`` wants it on SM90 (outer-dim-major; 128x128 K-padded to 4)."""
+    """``block_scale_layout`` of a block-scaled operand."""
     return block_scale_layout(op.scale_inv, op.layout)
 
 
 def block_scale_layout(s: torch.Tensor, layout: L) -> torch.Tensor:
-    """``_block_scale_layout`` of a block-scaled operand's ``scale_inv`` ``s`` (its ``layout``)."""
+    """A block-scaled operand's ``scale_inv`` ``s`` (of ``layout``) as ``scaled_mm`` wants it on SM90
+    (outer-dim-major; 128x128 K-padded to 4)."""
     if layout is L.BLOCK_1x128:
         if s.stride() == (1, s.shape[0]):  # the casts' own layout already (ops.routes): no copy, no view
             return s
