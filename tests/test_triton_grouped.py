@@ -94,6 +94,34 @@ def test_grouped_triton_gemms_match_per_expert_emulation(name: str, fast_accum: 
         assert tg._ROWS.fast and tg._KGROUP.fast and tg._ROWS.kernels and tg._KGROUP.kernels
 
 
+@pytest.mark.parametrize("reversed_", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_kgroup_into_adds_as_a_separate_add(name: str, reversed_: bool) -> None:
+    """``grouped_kgroup(into=...)``: each expert's FP32 wgrad added into its slot of an FP32
+    buffer (expert order or reversed, as Megatron lays main_grads out) in the epilogue, bit for
+    bit the product written out and added by torch afterwards. On a GPU this fails if the
+    compiler contracts the per-tensor scaling multiply and the add into one FMA."""
+    g = len(SPLITS)
+    x, _, dy = _inputs()
+    qx, _, qg = QUANTIZERS[name]
+    xs = qx.quantize_segments(x, SPLITS, peers=[qx] * g, rowwise=False, columnwise=True)
+    gs = qg.quantize_segments(dy, SPLITS, peers=[qg] * g, rowwise=False, columnwise=True)
+    assert xs is not None and gs is not None
+    off = kernels.segment_offsets(SPLITS, x.device)
+    dc, xc = gs[0].columnwise, xs[0].columnwise
+    args = (dc.data, xc.data, dc.scale_inv, xc.scale_inv, off, N, K, torch.float32)
+    dw = tg.grouped_kgroup(*args, blocked=name == "block")
+    torch.manual_seed(1)
+    main = torch.randn(g, N, K, device=DEV) * 1e-3  # gradients of earlier micro-batches, FP32
+    main[0, 0, :8] = -0.0
+    want = main + (dw.flip(0) if reversed_ else dw)
+    got = main.clone()
+    assert tg.grouped_kgroup(*args, blocked=name == "block", into=(got, reversed_)) is got
+    assert same_bits([got], [want])
+    with pytest.raises(ValueError, match="contiguous FP32"):
+        tg.grouped_kgroup(*args, blocked=name == "block", into=(got.bfloat16(), reversed_))
+
+
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_rows_keep_writes_only_the_real_rows(name: str) -> None:
     """``grouped_rows(keep=...)``: each expert's first real rows at its place in the unpadded output,

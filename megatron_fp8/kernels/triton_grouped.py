@@ -32,6 +32,7 @@ bitwise, cuBLAS's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,10 @@ def _rows_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, dst_ptr, N, K, n_
 
 
 @triton.jit
-def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk,
+def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_tk, G,
                    BLOCKED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                   IMPRECISE: tl.constexpr, OUT: tl.constexpr):
+                   IMPRECISE: tl.constexpr, OUT: tl.constexpr, ADD: tl.constexpr, REVERSED: tl.constexpr,
+                   PTX_ADD: tl.constexpr):
     pid = tl.program_id(0)
     per_e = n_tn * n_tk
     e = pid // per_e
@@ -130,8 +132,17 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=IMPRECISE, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * (tl.load(sa_ptr + e * STRIDE) * tl.load(sb_ptr + e * STRIDE))
-    dst = c_ptr + e * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
-    tl.store(dst, acc.to(OUT), mask=(rn[:, None] < N) & (rk[None, :] < K))
+    slot = (G - 1 - e) if REVERSED else e  # where expert e's [N, K] lies in c
+    dst = c_ptr + slot.to(tl.int64) * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    inside = (rn[:, None] < N) & (rk[None, :] < K)
+    if ADD:  # c += dw (an FP32 main_grad), rounded as dw's own store and a separate add would be
+        old = tl.load(dst, mask=inside, other=0.0)
+        if PTX_ADD:  # an add with an explicit rounding mode is never contracted with the scaling
+            acc = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [old, acc],
+                                            dtype=tl.float32, is_pure=True, pack=1)
+        else:  # (Triton's interpreter: NumPy adds, no contraction)
+            acc = old + acc
+    tl.store(dst, acc.to(OUT), mask=inside)
 
 
 def _imprecise(fast_accum: bool) -> int | None:
@@ -160,6 +171,7 @@ class Tiles:
 
 
 ROWS, KGROUP = Tiles(), Tiles()
+_PTX = os.environ.get("TRITON_INTERPRET") != "1"  # compiled for a GPU (inline PTX), not interpreted
 _ROWS, _KGROUP = Launcher(_rows_kernel), Launcher(_kgroup_kernel)  # ~35 us less host time per launch
 
 
@@ -187,15 +199,28 @@ def grouped_rows(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.T
 
 def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, offsets: torch.Tensor,
                    n: int, k: int, out_dtype: torch.dtype, *, blocked: bool, fast_accum: bool = False,
-                   tiles: Tiles | None = None) -> torch.Tensor:
+                   tiles: Tiles | None = None, into: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
     """``[a_e @ b_e.T for e]`` as ``[G, N, K]``: ``a`` the flat ``[N, m_e]`` blocks, ``b`` the flat
     ``[K, m_e]`` blocks of every expert (``offsets [G+1]``, multiples of 128); zero for an expert
-    without tokens."""
+    without tokens.
+
+    ``into``: ``(c, reversed)``, a contiguous FP32 ``[G, N, K]`` buffer (the experts' ``main_grad``)
+    that each expert's product is added into in the epilogue, expert e at ``c[e]`` (or at
+    ``c[G - 1 - e]``, reversed); returns ``c``. The same bits as ``c += grouped_kgroup(...)``
+    with an FP32 output: the scaled product is rounded to FP32 first and the add is one rounded
+    FP32 add (tests/test_wgrad_epilogue.py), while it reads and writes ``c`` once instead of also
+    writing and reading the product."""
     t = tiles or KGROUP
     g = offsets.numel() - 1
-    c = torch.empty((g, n, k), dtype=out_dtype, device=a.device)
+    if into is None:
+        c, reversed_ = torch.empty((g, n, k), dtype=out_dtype, device=a.device), False
+    else:
+        c, reversed_ = into
+        if c.dtype != torch.float32 or c.shape != (g, n, k) or not c.is_contiguous() or out_dtype != torch.float32:
+            raise ValueError(f"grouped_kgroup: into must be a contiguous FP32 [{g}, {n}, {k}] buffer and the "
+                             f"output FP32, not {c.dtype} {tuple(c.shape)} (output {out_dtype})")
     n_tn, n_tk = cdiv(n, t.bm), cdiv(k, t.bn)
-    _KGROUP((g * n_tn * n_tk,), a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, BLOCKED=blocked, BN=t.bm, BK=t.bn,
-            BT=BLOCK, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype], num_warps=t.warps,
-            num_stages=t.stages)
+    _KGROUP((g * n_tn * n_tk,), a, b, c, sa, sb, offsets, n, k, n_tn, n_tk, g, BLOCKED=blocked, BN=t.bm, BK=t.bn,
+            BT=BLOCK, IMPRECISE=_imprecise(fast_accum), OUT=_OUT[out_dtype], ADD=into is not None,
+            REVERSED=reversed_, PTX_ADD=into is not None and _PTX, num_warps=t.warps, num_stages=t.stages)
     return c

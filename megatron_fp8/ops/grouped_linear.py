@@ -270,23 +270,34 @@ def expert_bias_grads(dy: torch.Tensor, splits: Sequence[int], bias_dtype: torch
     return [d.sum(0, dtype=torch.float32).to(bias_dtype) for d in dy.split(list(splits))]
 
 
+def main_grad_stack(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, bool] | None:
+    """The experts' ``main_grad`` as one ``[E, N, K]`` view and whether it runs from the last
+    expert's (Megatron's gradient buffers lay parameters out in reverse), where they are of
+    ``dtype`` and lie back to back in one buffer in either order; else None."""
+    mains = [w.main_grad for w in weights]  # type: ignore[attr-defined]
+    if len(mains) < 2 or mains[0].dtype != dtype:
+        return None
+    if packed(mains):
+        return stacked(mains[0], len(mains)), False
+    if packed(mains[::-1]):
+        return stacked(mains[-1], len(mains)), True
+    return None
+
+
 def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tensor | None]
                        ) -> list[torch.Tensor | None]:
     """Megatron's gradient-accumulation fusion for every expert: each ``dw`` added into its weight's
     ``main_grad`` (``ops.linear._accumulate_wgrad``). Where the ``dw`` are the grouped wgrad's
     ``[E, N, K]`` buffer in expert order and the ``main_grad`` lie back to back in one buffer (in
-    expert order, or reversed, as Megatron's gradient buffers lay parameters out), that is one
-    add (two reversed) instead of one a expert: the same elementwise sums."""
+    expert order, or reversed: ``main_grad_stack``), that is one add instead of one an expert: the
+    same elementwise sums."""
     n = len(weights)
     if n > 1 and all(d is not None for d in dws) and packed(dws):  # type: ignore[arg-type]
-        mains = [w.main_grad for w in weights]  # type: ignore[attr-defined]
         src = stacked(dws[0], n)  # type: ignore[arg-type]
-        forward = mains[0].dtype == src.dtype and packed(mains)
-        if forward or (mains[0].dtype == src.dtype and packed(mains[::-1])):
-            if forward:
-                stacked(mains[0], n).add_(src)
-            else:  # the last expert's main_grad first
-                stacked(mains[-1], n).add_(src.flip(0))
+        mains = main_grad_stack(weights, src.dtype)
+        if mains is not None:
+            main, reversed_ = mains
+            main.add_(src.flip(0) if reversed_ else src)
             return [added_to_main_grad(w) for w in weights]
     return [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(weights, dws)]
 

@@ -56,6 +56,7 @@ from ..quant.tensor import SCALE_STRIDE, Operands, Pack
 from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer
 from . import paths, routes
 from .lean import _lean_here, save_for_gradients
+from .linear import added_to_main_grad
 from .padding import Padded
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ class LeanGrouped(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from .grouped_linear import accumulate_experts, expert_bias_grads
+        from .grouped_linear import accumulate_experts, expert_bias_grads, main_grad_stack
 
         plan: GroupedPlan = ctx.plan
         g = len(ctx.splits)
@@ -305,8 +306,10 @@ class LeanGrouped(torch.autograd.Function):
         if plan.backward_general or not _as_in_forward(ctx, plan, dy):
             dx, dws = _general_gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
         else:
+            # the fusion's adds in the wgrad's epilogue, where the main_grads are one FP32 buffer
+            into = main_grad_stack(ctx.weights, wgrad_dtype) if ctx.fuse_wgrad and need_dw else None
             try:
-                dx, dws = _gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
+                dx, dws = _gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw, into)
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
@@ -314,8 +317,8 @@ class LeanGrouped(torch.autograd.Function):
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
                 dx, dws = _general_gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
-        if ctx.fuse_wgrad and need_dw:
-            dws = accumulate_experts(ctx.weights, dws)
+        if ctx.fuse_wgrad and need_dw:  # (None: the wgrad added them in its epilogue)
+            dws = [added_to_main_grad(w) for w in ctx.weights] if dws is None else accumulate_experts(ctx.weights, dws)
         return dx, None, None, None, None, None, None, *dws, *dbs
 
 
@@ -336,10 +339,13 @@ def _aligned(scale: torch.Tensor, layout: ScaleLayout, g: int) -> torch.Tensor:
 
 def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor | kernels.PaddedRows,
                saved: tuple[torch.Tensor, ...], padded: Padded | None, wgrad_dtype: torch.dtype, need_dx: bool,
-               need_dw: bool) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+               need_dw: bool, into: tuple[torch.Tensor, bool] | None = None
+               ) -> tuple[torch.Tensor | None, list[torch.Tensor | None] | None]:
     """dgrad and wgrad as ``grouped_linear._backward_fp8`` computes them, in its order: dy's
     casts, dgrad, x's columnwise copy (``save_original_input``), wgrad. ``src``: what dy's casts
-    read (``dy`` itself, or its experts to be padded)."""
+    read (``dy`` itself, or its experts to be padded). ``into``: the experts' ``main_grad`` as one
+    FP32 buffer (``grouped_linear.main_grad_stack``), which the wgrad then adds into (the same
+    bits as adding its FP32 output afterwards) and None stands for the wgrads."""
     splits, g = ctx.splits, len(ctx.splits)
     q0 = plan.quantizers[0]
     q_in, q_dy = q0.input, q0.grad_output
@@ -376,8 +382,9 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor 
             xc, xcs = raw[2], (raw[3] if plan.blocked else kernels.aligned_reciprocal(scale))
         else:
             xc, xcs = x_saved[0], _aligned(x_saved[1], q_in.layout, g)
-        dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked)
-        dws = list(dw.unbind(0))
+        dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked,
+                                           into=into)
+        dws = None if into is not None else list(dw.unbind(0))
     if need_dx:  # reported once both GEMMs ran (a failure hands both to the general calls, which report them)
         _record("dgrad", (q_dy.layout, ctx.w_layout), (m, k, n))
     if need_dw:
