@@ -68,14 +68,18 @@ def test_lean_fp32_input_takes_the_general_casts(monkeypatch: pytest.MonkeyPatch
     assert all(torch.equal(a, b) for a, b in zip(general, planned))
 
 
-def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, soi: bool, splits: list[list[int]]
-                 ) -> tuple[list[torch.Tensor], list[tuple[str, str]], object]:
+def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, soi: bool, splits: list[list[int]],
+                 fuse: bool = False) -> tuple[list[torch.Tensor], list[tuple[str, str]], object]:
     from megatron_fp8.modules.grouped import GroupedLinear
 
     monkeypatch.setenv("MEGATRON_FP8_LEAN", lean_on)
     torch.manual_seed(5)
     layer = GroupedLinear(8, 1024, 512, bias=False, params_dtype=torch.bfloat16, device="cuda",
-                          save_original_input=soi, name="fc1")
+                          save_original_input=soi, fuse_wgrad_accumulation=fuse, name="fc1")
+    if fuse:  # FP32 main_grads in one buffer, the last expert's first (Megatron's gradient buffer)
+        main = torch.zeros(8, 512, 1024, device="cuda")
+        for i, w in enumerate(layer.weights):
+            w.main_grad = main[7 - i]
     out: list[torch.Tensor] = []
     with mf.gemm.record_gemms() as calls:
         for s in splits:  # a new split each step, as a router hands them out (padded to 128 inside)
@@ -83,21 +87,26 @@ def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, 
             with mf.fp8_autocast(fp8_recipe=recipe):
                 y = layer(x, s)
             y.backward(torch.randn_like(y))
-            out += [y.detach().clone(), x.grad.clone(), *[w.grad.clone() for w in layer.weights]]
+            out += [y.detach().clone(), x.grad.clone(),
+                    *[(w.main_grad if fuse else w.grad).clone() for w in layer.weights]]
     torch.cuda.synchronize()
     return out, [(c.name, c.backend.value) for c in calls], layer
 
 
 @pytest.mark.parametrize("recipe", ["current", "blockwise", "blockwise-hybrid", "delayed"])
 @pytest.mark.parametrize("soi", [False, True])
-def test_lean_grouped_equals_general_on_the_gpu(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "fused"])
+def test_lean_grouped_equals_general_on_the_gpu(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool,
+                                                fuse: bool) -> None:
     """The grouped plan (ops.lean_grouped) with a top-2 router's uneven splits: the general path's
-    bits and GEMM records (every expert GEMM native, on the one-launch Triton kernels)."""
+    bits and GEMM records (every expert GEMM native, on the one-launch Triton kernels); fused:
+    the wgrads added into main_grads laid out as Megatron's buffers lay them (the lean path adds
+    them in the wgrad's epilogue, the general one after it)."""
     from megatron_fp8.testing import router_splits
 
     splits = [router_splits(2048, 8, 2, seed=s) for s in range(3)]
-    general, general_calls, _ = _grouped_run(monkeypatch, "0", RECIPES[recipe], soi, splits)
-    planned, planned_calls, layer = _grouped_run(monkeypatch, "auto", RECIPES[recipe], soi, splits)
+    general, general_calls, _ = _grouped_run(monkeypatch, "0", RECIPES[recipe], soi, splits, fuse)
+    planned, planned_calls, layer = _grouped_run(monkeypatch, "auto", RECIPES[recipe], soi, splits, fuse)
     for i, (a, b) in enumerate(zip(general, planned)):
         assert torch.equal(a, b), (recipe, soi, i, (a.float() - b.float()).abs().max().item())
     assert planned_calls == general_calls
