@@ -74,6 +74,41 @@ def test_fused_main_grad_is_bitwise_neutral_and_accumulates(recipe, flag: bool) 
     assert grads[flag].abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["dense", "grouped", "grouped-one-buffer"])
+def test_fused_main_grad_fp8_off_holds_the_unfused_adds(kind: str) -> None:
+    """FP8 off, BF16 weights: with the wgrad fusion, main_grad after two micro-batches holds what
+    Megatron's hook would add without it (each BF16 gradient added into FP32), bit for bit; the
+    add widens the BF16 wgrad itself (no FP32 copy of it is written first)."""
+    from megatron_fp8.modules.grouped import GroupedLinear
+
+    def make(fuse: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if kind == "dense":
+            return mf.Linear(256, 384, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse)
+        return GroupedLinear(3, 256, 384, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=fuse)
+
+    def run(layer: torch.nn.Module, micro: int) -> None:
+        torch.manual_seed(10 + micro)
+        x = torch.randn(96, 256, dtype=torch.bfloat16)
+        y = layer(x) if kind == "dense" else layer(x, [32, 0, 64])
+        (y.float() * torch.linspace(-1, 1, 384)).sum().backward()
+
+    fused, plain = make(True), make(False)
+    weights = [p for p in fused.parameters()]
+    buffer = torch.zeros(len(weights), 384, 256)  # Megatron's layout: the last parameter first
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[len(weights) - 1 - i] if kind == "grouped-one-buffer" else torch.zeros(384, 256)
+    want = [torch.zeros(384, 256) for _ in weights]
+    for micro in range(2):
+        run(fused, micro)
+        run(plain, micro)
+        for acc, p in zip(want, plain.parameters()):
+            acc.add_(p.grad.float())
+            p.grad = None
+    assert all(torch.equal(w.main_grad, acc) for w, acc in zip(weights, want))
+    assert want[0].abs().sum() > 0
+
+
 def test_fusion_without_main_grad_is_a_clear_error() -> None:
     layer = _layer(False, torch.bfloat16, True, fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match="main_grad"):

@@ -270,12 +270,13 @@ def expert_bias_grads(dy: torch.Tensor, splits: Sequence[int], bias_dtype: torch
     return [d.sum(0, dtype=torch.float32).to(bias_dtype) for d in dy.split(list(splits))]
 
 
-def main_grad_stack(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, bool] | None:
+def main_grad_stack(weights: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, bool] | None:
     """The experts' ``main_grad`` as one ``[E, N, K]`` view and whether it runs from the last
-    expert's (Megatron's gradient buffers lay parameters out in reverse), where they are of
-    ``dtype`` and lie back to back in one buffer in either order; else None."""
+    expert's (Megatron's gradient buffers lay parameters out in reverse), where they lie back to
+    back in one buffer in either order (and are of ``dtype``, where given); else None."""
     mains = [w.main_grad for w in weights]  # type: ignore[attr-defined]
-    if len(mains) < 2 or mains[0].dtype != dtype:
+    if len(mains) < 2 or (dtype is not None and mains[0].dtype != dtype):
         return None
     if packed(mains):
         return stacked(mains[0], len(mains)), False
@@ -290,11 +291,12 @@ def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tens
     ``main_grad`` (``ops.linear._accumulate_wgrad``). Where the ``dw`` are the grouped wgrad's
     ``[E, N, K]`` buffer in expert order and the ``main_grad`` lie back to back in one buffer (in
     expert order, or reversed: ``main_grad_stack``), that is one add instead of one an expert: the
-    same elementwise sums."""
+    same elementwise sums. A ``dw`` narrower than its ``main_grad`` (a BF16 GEMM's) is widened by
+    the add itself, exactly (no FP32 copy of it first)."""
     n = len(weights)
     if n > 1 and all(d is not None for d in dws) and packed(dws):  # type: ignore[arg-type]
         src = stacked(dws[0], n)  # type: ignore[arg-type]
-        mains = main_grad_stack(weights, src.dtype)
+        mains = main_grad_stack(weights)
         if mains is not None:
             main, reversed_ = mains
             main.add_(src.flip(0) if reversed_ else src)
@@ -342,10 +344,13 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, wgrad_dtype: torch.dtype, need_dx: 
         dw = torch._grouped_mm(dy.t(), x, offs=ends)  # [E, N, K]
         for i in (i for i, m in enumerate(splits) if m == 0):  # an expert without tokens: zeros, never
             dw[i].zero_()  # what a kernel leaves in a group with nothing to sum (the CPU's are zeros)
-        return dx, list(dw.to(wgrad_dtype).unbind(0))  # one cast: the experts' grads stay one buffer
+        if not ctx.args.fuse_wgrad:  # (fused: main_grad.add_ widens it, exactly, as it adds)
+            dw = dw.to(wgrad_dtype)  # one cast: the experts' grads stay one buffer
+        return dx, list(dw.unbind(0))
     dys, xs = dy.split(splits), x.split(splits)
     dx = torch.cat([d @ w.to(dy.dtype) for d, w in zip(dys, weights)]) if need_dx else None
-    dws = [(d.t() @ xi).to(wgrad_dtype) if need_dw else None for d, xi in zip(dys, xs)]
+    dws = [(d.t() @ xi if ctx.args.fuse_wgrad else (d.t() @ xi).to(wgrad_dtype)) if need_dw else None
+           for d, xi in zip(dys, xs)]
     return dx, dws
 
 

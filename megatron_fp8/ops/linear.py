@@ -285,7 +285,9 @@ def _backward_hp(ctx: Any, dy: torch.Tensor, dx_dtype: torch.dtype, wgrad_dtype:
     x, w = ctx.saved_tensors
     x_pending = ctx.comm.gather_input(_flat(x)) if need_dw else None
     dx_pending = ctx.comm.reduce_dgrad(dy @ w.to(dy.dtype)) if need_dx else None
-    dw = (dy.t() @ x_pending.wait()).to(wgrad_dtype) if x_pending is not None else None
+    dw = dy.t() @ x_pending.wait() if x_pending is not None else None
+    if dw is not None and not ctx.fuse_wgrad:  # (fused: main_grad.add_ widens it, exactly, as it adds)
+        dw = dw.to(wgrad_dtype)
     return (dx_pending.wait() if dx_pending is not None else None), dw
 
 
