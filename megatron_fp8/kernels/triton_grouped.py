@@ -138,7 +138,7 @@ def _kgroup_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, off_ptr, N, K, n_tn, n_t
     if ADD:  # c += dw (an FP32 main_grad), rounded as dw's own store and a separate add would be
         old = tl.load(dst, mask=inside, other=0.0)
         if PTX_ADD:  # an add with an explicit rounding mode is never contracted with the scaling
-            acc = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [old, acc],
+            acc = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [old, acc],
                                             dtype=tl.float32, is_pure=True, pack=1)
         else:  # (Triton's interpreter: NumPy adds, no contraction)
             acc = old + acc
