@@ -5,7 +5,7 @@ rows of the host-cost table (``host_breakdown.make_step``'s cases, e.g. ``groupe
 and the autograd engine's own work (the step minus both) the time goes to.
 
     python scripts/probes/host_sections.py grouped-off grouped-current grouped-router-current \
-        [--steps 200] [--caller] [--wrap module:qualname ...]
+        [--steps 200] [--caller] [--deep] [--wrap module:qualname ...]
 """
 
 from __future__ import annotations
@@ -38,6 +38,25 @@ DEFAULT = [
     "megatron_fp8.quant.kernels:segment_offsets",
     "megatron_fp8.ops.grouped_linear:_GroupedLinear.forward",
     "megatron_fp8.ops.grouped_linear:_GroupedLinear.backward",
+]
+# one level down (``--deep``): the casts' and launches' own parts
+DEEP = [
+    "megatron_fp8.quant.kernels:_current_launches",
+    "megatron_fp8.quant.kernels:cast_current_segments",
+    "megatron_fp8.quant.kernels:cast_current_gathered",
+    "megatron_fp8.quant.kernels:device_ints",
+    "megatron_fp8.kernels.triton_persistent:cast_current_persistent",
+    "megatron_fp8.kernels.triton_persistent:_sync_words",
+    "megatron_fp8.kernels.triton_persistent:launch_options",
+    "megatron_fp8.kernels.triton_tiles:fp8_copies",
+    "megatron_fp8.quant.tensor:aligned_scalars",
+    "megatron_fp8.kernels.triton_launch:Launcher.__call__",
+    "megatron_fp8.kernels.triton_grouped:grouped_rows",
+    "megatron_fp8.quant.tensor_scaling:CurrentScalingQuantizer.quantize_segments_packed",
+    "megatron_fp8.ops.linear:mark_tensors_param_derived",
+    "megatron_fp8.modules.grouped:ExpertParams._stacked_weights",
+    "megatron_fp8.modules.base:FP8Module.fp8_quantizers",
+    "megatron_fp8.ops.lean_grouped:_gathered",
 ]
 
 TOTALS: dict[str, float] = {}
@@ -82,13 +101,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--caller", action="store_true", help="backward on the calling thread (no engine handoff)")
     ap.add_argument("--wrap", nargs="*", default=None, help="module:qualname to time (default: the grouped path's)")
+    ap.add_argument("--deep", action="store_true", help="also the casts' and launches' own parts (DEEP)")
     args = ap.parse_args()
     if args.caller:
         torch.autograd.set_multithreading_enabled(False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = {c: make_step(c, device) for c in args.cases}
-    for spec in args.wrap if args.wrap is not None else DEFAULT:
+    for spec in (args.wrap if args.wrap is not None else DEFAULT) + (DEEP if args.deep else []):
         try:
             _wrap(spec)
         except (AttributeError, KeyError, ImportError) as exc:
