@@ -289,16 +289,18 @@ def test_saved_bytes_exact(name: str) -> None:
     padded = [m + (-m) % mult for m in splits]
     per_tensor = name in ("delayed", "current")
     # a one-launch expert cast (per-tensor recipes, CUDA or Triton's interpreter) keeps the experts'
-    # scales 16 bytes apart in one buffer (cuBLAS alignment): 16 bytes per expert instead of 4
-    scale_bytes = 16 if per_tensor and kernels.segments_fused(x, True) else 4
+    # scales 16 bytes apart in one buffer (cuBLAS alignment): 16 bytes per expert instead of 4, but
+    # the last one's 4 (``quant.tensor.aligned_scalars``)
+    apart = per_tensor and kernels.segments_fused(x, True)
+    scale_bytes = 16 if apart else 4
+    scales_total = (16 * (len(splits) - 1) + 4) if apart else scale_bytes * len(splits)
     # default: each expert's (padded) columnwise FP8 copy of its tokens and its scales
-    assert got[False].activation_bytes == sum(
-        m * K + (scale_bytes if per_tensor else _col_scale_bytes(name, m)) for m in padded)
+    assert got[False].activation_bytes == sum(m * K for m in padded) + (
+        scales_total if per_tensor else sum(_col_scale_bytes(name, m) for m in padded))
     # flagged: the original x once, plus each expert's per-tensor scale (the one-launch cast's
     # aligned buffer; for delayed scaling the quantizers' own scales, which the one-launch state
     # update lays out the same way)
-    assert got[True].activation_bytes == x.untyped_storage().nbytes() + (
-        scale_bytes * len(splits) if per_tensor else 0)
+    assert got[True].activation_bytes == x.untyped_storage().nbytes() + (scales_total if per_tensor else 0)
     assert got[False].parameter_bytes == got[True].parameter_bytes > 0
 
 

@@ -215,8 +215,30 @@ def test_successive_launches_and_many_segments() -> None:
         base = torch.randn(m, k, device=DEV).bfloat16()
         for factor in (64.0, 8.0, 1.0, 0.125) if GPU else (1.0,):  # the interpreter: slow, and fresh words each time
             assert same_bits(*_both(base * factor, E4, True, True, splits)), (splits, factor)
-    if GPU:  # no launch of this module's tests was refused (two programs per SM fit)
-        assert not triton_persistent._per_sm
+    if GPU:  # no launch of this module's tests was refused (two programs per SM fit); the repeated
+        assert not triton_persistent._per_sm  # signatures took their prepared launches
+        assert triton_persistent._prepared
+
+
+@pytest.mark.skipif(not GPU, reason="prepared launches are CUDA's")
+def test_prepared_launch_refused_later_takes_the_keyed_launch() -> None:
+    """A prepared launch whose cooperative grid the driver refuses on a later call (its answer can
+    change, e.g. under MPS) is dropped, and the cast launches again the keyed way: same bits."""
+    splits = [128, 256]
+    x = _input((384, 256), splits)
+    _both(x, E4, True, True, splits)  # prepares this signature
+    refused: list[int] = []
+
+    def refuse(*args: object) -> None:
+        refused.append(1)
+        raise RuntimeError("too many blocks in cooperative launch")
+
+    mine = [k for k in triton_persistent._prepared if k[2:5] == (384, 256, 2)]
+    assert mine
+    for k in mine:
+        triton_persistent._prepared[k] = refuse  # type: ignore[assignment]
+    assert same_bits(*_both(x, E4, True, True, splits)) and refused
+    assert all(triton_persistent._prepared[k] is not refuse for k in mine if k in triton_persistent._prepared)
 
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), (" 0 ", False),

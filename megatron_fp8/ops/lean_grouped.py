@@ -79,7 +79,7 @@ class GroupedPlan:
     flags."""
 
     __slots__ = ("quantizers", "kind", "blocked", "peers", "soi", "wgrad", "k", "n", "name", "proven",
-                 "backward_general")
+                 "backward_general", "one_launch")
 
     def __init__(self, quantizers: Sequence[LinearQuantizers], kind: str, soi: bool, wgrad: bool, k: int, n: int,
                  name: str) -> None:
@@ -90,6 +90,8 @@ class GroupedPlan:
         self.soi, self.wgrad, self.k, self.n, self.name = soi, wgrad, k, n, name
         self.proven = False  # a forward ran through it
         self.backward_general = False  # a backward failed on the fast routes: the general helpers serve
+        # current scaling, per (role, rowwise, columnwise): whether the cast is the one-launch one
+        self.one_launch: dict[tuple[str, bool, bool], bool] = {}
 
     def serves(self, quantizers: Sequence[LinearQuantizers], splits: Sequence[int]) -> bool:
         """Whether this call's experts and splits are the plan's: the same quantizer objects, every
@@ -219,12 +221,35 @@ def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, sp
         row, row_s, col, col_s = triton_cast.cast_segments(t, off, list(splits), q.fp8_dtype, "1x128", rowwise,
                                                            columnwise)
         return row, row_s, col, col_s, None
-    out = kernels._current_launches(t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale,
-                                    amax_epsilon=q.amax_epsilon, splits=list(splits), offsets=off)
+    out = _current(plan, role, q, t, splits, off, rowwise, columnwise)
     if out is None:
         raise _Decline("no current-scaling segmented cast builds here")
     row, col, scale, inv = out
     return row, inv, col, inv, scale
+
+
+def _current(plan: GroupedPlan, role: str, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor,
+             rowwise: bool, columnwise: bool) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
+    """``kernels._current_launches`` of the experts' rows: where its dispatch takes the one-launch
+    cast for this role and copies (decided at the plan's first such cast, which also builds the
+    CUDA tile cast for later graph captures where the settings want it), that cast called directly,
+    behind the same guard; else the dispatch itself."""
+    from ..kernels import triton_cast
+    from ..kernels import triton_persistent as tp
+
+    key = (role, rowwise, columnwise)
+    one = plan.one_launch.get(key)
+    if one is None:
+        one = plan.one_launch[key] = (not triton_cast.cuda_current_ok(t, q.fp8_dtype, rowwise, columnwise)
+                                      and tp.persistent_ok(t))
+    if one and kernels._one_launch.ok:
+        out = kernels._one_launch(lambda: tp.cast_current_persistent(
+            t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon,
+            splits=list(splits), offsets=off))
+        if out is not None:
+            return out
+    return kernels._current_launches(t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale,
+                                     amax_epsilon=q.amax_epsilon, splits=list(splits), offsets=off)
 
 
 def _record(name: str, layouts: tuple[ScaleLayout, ScaleLayout], mnk: tuple[int, int, int]) -> None:

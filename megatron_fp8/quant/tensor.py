@@ -126,7 +126,8 @@ def aligned_scalars(n: int, device: torch.device) -> torch.Tensor:
     ``n == 1``."""
     if n == 1:
         return torch.empty((1,), dtype=torch.float32, device=device)
-    return torch.empty((n, SCALE_STRIDE), dtype=torch.float32, device=device)[:, 0]
+    # (one call: a [n, SCALE_STRIDE] buffer sliced to its first column took ~2.5x the host time)
+    return torch.empty_strided((n,), (SCALE_STRIDE,), dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True, eq=False)
