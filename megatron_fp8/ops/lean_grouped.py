@@ -90,8 +90,9 @@ class GroupedPlan:
         self.soi, self.wgrad, self.k, self.n, self.name = soi, wgrad, k, n, name
         self.proven = False  # a forward ran through it
         self.backward_general = False  # a backward failed on the fast routes: the general helpers serve
-        # current scaling, per (role, rowwise, columnwise): whether the cast is the one-launch one
-        self.one_launch: dict[tuple[str, bool, bool], bool] = {}
+        # current scaling, per (role, rowwise, columnwise): whether the cast is the one-launch one;
+        # per ("gathered", role, rowwise, columnwise): whether the gathered cast declines (eager)
+        self.one_launch: dict[tuple[Any, ...], bool] = {}
 
     def serves(self, quantizers: Sequence[LinearQuantizers], splits: Sequence[int]) -> bool:
         """Whether this call's experts and splits are the plan's: the same quantizer objects, every
@@ -177,7 +178,7 @@ def _make(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: Segments,
 
 
 # ---- the steps' routes ------------------------------------------------------------------------
-def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequence[int], rowwise: bool,
+def _gathered(plan: GroupedPlan, role: str, q: Any, src: kernels.PaddedRows, splits: Sequence[int], rowwise: bool,
               columnwise: bool) -> tuple[Any, Any, Any, Any, Any] | None:
     """``_cast``'s copies of padded experts read from their unpadded rows, where the casts of the
     plan's kind do that here (blocks; current scaling where its casts run as amax, scale and cast
@@ -186,11 +187,17 @@ def _gathered(plan: GroupedPlan, q: Any, src: kernels.PaddedRows, splits: Sequen
         raw = kernels.cast_gathered(src, splits, q.fp8_dtype, "1x128", None, rowwise, columnwise)
         return (*raw, None) if raw is not None else None
     if plan.kind == "current":
+        key = ("gathered", role, rowwise, columnwise)  # (it declines every eager call alike: asked once)
+        if plan.one_launch.get(key):
+            return None
         out = kernels.cast_current_gathered(src, splits, q.fp8_dtype, rowwise, columnwise,
                                             power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon)
         if out is not None:
             row, col, scale, inv = out
             return row, inv, col, inv, scale
+        from ..kernels import cuda_cast
+
+        plan.one_launch[key] = cuda_cast.current_setting() != "1"  # eager: the padded tensor's one launch
     return None
 
 
@@ -204,7 +211,7 @@ def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, sp
     (``kernels.cast_gathered``), else padded first."""
     q = getattr(plan.quantizers[0], role)
     if isinstance(t, kernels.PaddedRows):
-        got = _gathered(plan, q, t, splits, rowwise, columnwise)
+        got = _gathered(plan, role, q, t, splits, rowwise, columnwise)
         if got is not None:
             return got
         t = t.padded()
