@@ -301,3 +301,30 @@ def test_gathered_casts_equal_padding_first(monkeypatch: pytest.MonkeyPatch, rec
             assert calls == want, (lean_on, calls)
     for lean_on in ("0", "1"):
         assert all(torch.equal(a, b) for a, b in zip(runs[lean_on, True], runs[lean_on, False])), lean_on
+
+
+def test_failure_after_the_epilogue_add_is_raised_not_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the wgrad has added into the experts' main_grad (the fusion's epilogue add), a failure
+    later in the plan's backward is raised: the general helpers running the gradients again would
+    add them a second time."""
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 256, 128, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True,
+                          name="fc1")
+    main = torch.zeros(3, 128, 256)
+    for w, m in zip(layer.weights, main):
+        w.main_grad = m
+    x = torch.randn(384, 256, dtype=torch.bfloat16, requires_grad=True)
+    with mf.fp8_autocast(fp8_recipe=RECIPES["current"]):
+        y = layer(x, [128, 128, 128])
+    real = lean_grouped._record
+
+    def fail_after_wgrad(name: str, *args: object) -> None:
+        if name == "wgrad":
+            raise RuntimeError("after the wgrad")
+        real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lean_grouped, "_record", fail_after_wgrad)
+    with pytest.raises(RuntimeError, match="after the wgrad"):
+        y.backward(torch.randn(384, 128, dtype=torch.bfloat16))
+    assert main.abs().sum() > 0  # added once, in the epilogue

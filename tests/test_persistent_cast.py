@@ -233,7 +233,7 @@ def test_prepared_launch_refused_later_takes_the_keyed_launch() -> None:
         refused.append(1)
         raise RuntimeError("too many blocks in cooperative launch")
 
-    mine = [k for k in triton_persistent._prepared if k[2:5] == (384, 256, 2)]
+    mine = [k for k in triton_persistent._prepared if k[2:5] == (384, 256, 2)]  # (m, k, segments)
     assert mine
     for k in mine:
         triton_persistent._prepared[k] = refuse  # type: ignore[assignment]

@@ -208,7 +208,7 @@ def grouped_kgroup(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch
     that each expert's product is added into in the epilogue, expert e at ``c[e]`` (or at
     ``c[G - 1 - e]``, reversed); returns ``c``. The same bits as ``c += grouped_kgroup(...)``
     with an FP32 output: the scaled product is rounded to FP32 first and the add is one rounded
-    FP32 add (tests/test_wgrad_epilogue.py), while it reads and writes ``c`` once instead of also
+    FP32 add (tests/test_triton_grouped.py), while it reads and writes ``c`` once instead of also
     writing and reading the product."""
     t = tiles or KGROUP
     g = offsets.numel() - 1

@@ -298,8 +298,9 @@ def cast_current_persistent(
     grid = (min(programs, n_tiles),)
     # the launch prepared per signature (the kernel's ints and constexprs, the grid; fresh outputs and
     # an aligned x share the specialization): ~10 us less host time than a keyed launch
-    key = (device, grid, m, k, n_seg, x.dtype, fp8_dtype, rowwise, columnwise, splits is not None, power_2_scale,
-           amax_epsilon)
+    # (fresh outputs: 16-byte aligned, as the caching allocator hands out every block)
+    key = (device, grid, m, k, n_seg, x.dtype, fp8_dtype, rowwise, columnwise, splits is not None, offsets is None,
+           power_2_scale, amax_epsilon)
     aligned = x.data_ptr() % 16 == 0 and (offsets is None or offsets.data_ptr() % 16 == 0)
     launch = _prepared.get(key) if aligned else None
     if launch is not None:

@@ -345,6 +345,8 @@ class LeanGrouped(torch.autograd.Function):
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - casts and GEMMs are pure: the general helpers run them again
+                if getattr(ctx, "added_into", False):  # (not the wgrad already added into main_grad: it would twice)
+                    raise
                 if not isinstance(exc, _Decline):  # (a declined cast: its kernel guard has warned)
                     _warn_failed(plan, exc, "backward", 2)
                 plan.backward_general = True
@@ -416,6 +418,7 @@ def _gradients(ctx: Any, plan: GroupedPlan, dy: torch.Tensor, src: torch.Tensor 
             xc, xcs = x_saved[0], _aligned(x_saved[1], q_in.layout, g)
         dw = triton_grouped.grouped_kgroup(dyc, xc, dycs, xcs, off, n, k, wgrad_dtype, blocked=plan.blocked,
                                            into=into)
+        ctx.added_into = into is not None
         dws = None if into is not None else list(dw.unbind(0))
     if need_dx:  # reported once both GEMMs ran (a failure hands both to the general calls, which report them)
         _record("dgrad", (q_dy.layout, ctx.w_layout), (m, k, n))

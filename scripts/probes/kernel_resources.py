@@ -42,7 +42,7 @@ _ROWS_ARGS = [("a_ptr", "*fp8e4nv"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), 
               ("sb_ptr", "*fp32"), ("off_ptr", "*i32"), ("dst_ptr", "*i32")] + [
                   (n, "i32") for n in ("N", "K", "n_exp", "n_tm", "n_tn")]
 _KGROUP_ARGS = [("a_ptr", "*fp8e5"), ("b_ptr", "*fp8e4nv"), ("c_ptr", "*bf16"), ("sa_ptr", "*fp32"),
-                ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_tn", "n_tk")]
+                ("sb_ptr", "*fp32"), ("off_ptr", "*i32")] + [(n, "i32") for n in ("N", "K", "n_tn", "n_tk", "G")]
 
 
 def _cast_case(mode: str, row: bool, col: bool, seg: bool = False, fused: bool = True) -> dict[str, Any]:
@@ -80,7 +80,7 @@ CASES: dict[str, tuple[Any, list[tuple[str, str]], dict[str, Any], int]] = {
     "grouped rows, blocks": (tg._rows_kernel, _ROWS_ARGS, _rows_case(True, None), 3),
     "grouped kgroup, tensor, promoted": (tg._kgroup_kernel, _KGROUP_ARGS,
                                          dict(BLOCKED=False, BN=128, BK=128, BT=128, IMPRECISE=128,
-                                              OUT=tl.bfloat16), 3),
+                                              OUT=tl.bfloat16, ADD=False, REVERSED=False, PTX_ADD=False), 3),
 }
 
 
