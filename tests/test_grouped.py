@@ -292,8 +292,7 @@ def test_saved_bytes_exact(name: str) -> None:
     # scales 16 bytes apart in one buffer (cuBLAS alignment): 16 bytes per expert instead of 4, but
     # the last one's 4 (``quant.tensor.aligned_scalars``)
     apart = per_tensor and kernels.segments_fused(x, True)
-    scale_bytes = 16 if apart else 4
-    scales_total = (16 * (len(splits) - 1) + 4) if apart else scale_bytes * len(splits)
+    scales_total = (16 * (len(splits) - 1) + 4) if apart else 4 * len(splits)
     # default: each expert's (padded) columnwise FP8 copy of its tokens and its scales
     assert got[False].activation_bytes == sum(m * K for m in padded) + (
         scales_total if per_tensor else sum(_col_scale_bytes(name, m) for m in padded))

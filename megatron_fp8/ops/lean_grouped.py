@@ -79,7 +79,7 @@ class GroupedPlan:
     flags."""
 
     __slots__ = ("quantizers", "kind", "blocked", "peers", "soi", "wgrad", "k", "n", "name", "proven",
-                 "backward_general", "one_launch")
+                 "backward_general", "cast_choices")
 
     def __init__(self, quantizers: Sequence[LinearQuantizers], kind: str, soi: bool, wgrad: bool, k: int, n: int,
                  name: str) -> None:
@@ -90,9 +90,10 @@ class GroupedPlan:
         self.soi, self.wgrad, self.k, self.n, self.name = soi, wgrad, k, n, name
         self.proven = False  # a forward ran through it
         self.backward_general = False  # a backward failed on the fast routes: the general helpers serve
-        # current scaling, per (role, rowwise, columnwise): whether the cast is the one-launch one;
-        # per ("gathered", role, rowwise, columnwise): whether the gathered cast declines (eager)
-        self.one_launch: dict[tuple[Any, ...], bool] = {}
+        # current scaling's casts, decided at their first call: per (role, rowwise, columnwise) whether
+        # the dispatch takes the one-launch cast; per ("gathered", role, ...) whether the gathered cast
+        # declines (every eager call alike)
+        self.cast_choices: dict[tuple[Any, ...], bool] = {}
 
     def serves(self, quantizers: Sequence[LinearQuantizers], splits: Sequence[int]) -> bool:
         """Whether this call's experts and splits are the plan's: the same quantizer objects, every
@@ -188,7 +189,7 @@ def _gathered(plan: GroupedPlan, role: str, q: Any, src: kernels.PaddedRows, spl
         return (*raw, None) if raw is not None else None
     if plan.kind == "current":
         key = ("gathered", role, rowwise, columnwise)  # (it declines every eager call alike: asked once)
-        if plan.one_launch.get(key):
+        if plan.cast_choices.get(key):
             return None
         out = kernels.cast_current_gathered(src, splits, q.fp8_dtype, rowwise, columnwise,
                                             power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon)
@@ -197,7 +198,7 @@ def _gathered(plan: GroupedPlan, role: str, q: Any, src: kernels.PaddedRows, spl
             return row, inv, col, inv, scale
         from ..kernels import cuda_cast
 
-        plan.one_launch[key] = cuda_cast.current_setting() != "1"  # eager: the padded tensor's one launch
+        plan.cast_choices[key] = cuda_cast.current_setting() != "1"  # eager: the padded tensor's one launch
     return None
 
 
@@ -245,9 +246,9 @@ def _current(plan: GroupedPlan, role: str, q: Any, t: torch.Tensor, splits: Sequ
     from ..kernels import triton_persistent as tp
 
     key = (role, rowwise, columnwise)
-    one = plan.one_launch.get(key)
+    one = plan.cast_choices.get(key)
     if one is None:
-        one = plan.one_launch[key] = (not triton_cast.cuda_current_ok(t, q.fp8_dtype, rowwise, columnwise)
+        one = plan.cast_choices[key] = (not triton_cast.cuda_current_ok(t, q.fp8_dtype, rowwise, columnwise)
                                       and tp.persistent_ok(t))
     if one and kernels._one_launch.ok:
         out = kernels._one_launch(lambda: tp.cast_current_persistent(
