@@ -328,3 +328,50 @@ def test_failure_after_the_epilogue_add_is_raised_not_run_again(monkeypatch: pyt
     with pytest.raises(RuntimeError, match="after the wgrad"):
         y.backward(torch.randn(384, 128, dtype=torch.bfloat16))
     assert main.abs().sum() > 0  # added once, in the epilogue
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_lean_weights_equal_the_segmented_cast(monkeypatch: pytest.MonkeyPatch, one_launch: bool) -> None:
+    """The experts' weights cast through ``lean_weights`` (its checks made once per signature)
+    equal ``quantize_segments_packed``'s packs and kept scales, bit for bit, through the two-launch
+    dispatch and through the one-launch cast (on CPU: the interpreter's); the layer takes that
+    route, and leaves it for shapes and recipes the one cast does not serve."""
+    from megatron_fp8.kernels import triton_persistent
+    from megatron_fp8.quant.tensor_scaling import CurrentScalingQuantizer
+
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    if one_launch:
+        monkeypatch.setattr(triton_persistent, "persistent_ok", lambda x: True)
+    general = CurrentScalingQuantizer.quantize_segments_packed
+    calls: list[int] = []
+
+    def counted(self: CurrentScalingQuantizer, *args: object, **kw: object) -> object:
+        calls.append(1)
+        return general(self, *args, **kw)
+
+    monkeypatch.setattr(CurrentScalingQuantizer, "quantize_segments_packed", counted)
+    torch.manual_seed(4)
+    layer = GroupedLinear(3, 256, 128, bias=False, params_dtype=torch.bfloat16, name="fc1")
+    for _ in range(2):
+        with mf.fp8_autocast(fp8_recipe=RECIPES["current"]):
+            qs, seg = layer.fp8_operands(None)
+    assert calls == []
+    stacked = layer._stacked_weights()
+    want = general(qs[0].weight, stacked, [128] * 3, peers=[q.weight for q in qs], rowwise=True, columnwise=True)
+    for a, b in ((seg.rows, want.rows), (seg.cols, want.cols)):
+        assert a.splits == b.splits and a.layout is b.layout and a.width == b.width
+        assert torch.equal(a.data, b.data) and torch.equal(a.scale_inv, b.scale_inv)
+        assert a.scale_inv.stride() == b.scale_inv.stride()
+    assert all(torch.equal(a, b) for a, b in zip(seg.scales, want.scales))
+    choices = [v for k, v in qs[0].__dict__["_plans"].items() if k[0] == "weights"]
+    assert len(choices) == 1 and choices[0][1] == {"weight": one_launch}
+
+    odd = GroupedLinear(3, 256, 96, bias=False, params_dtype=torch.bfloat16, name="fc2")  # rows not 128-aligned
+    with mf.fp8_autocast(fp8_recipe=RECIPES["current"]):
+        odd.fp8_operands(None)
+    assert calls == [1]
+    assert [v for k, v in odd._quantizers["weight0"].__dict__["_plans"].items() if k[0] == "weights"] == [None]
+    block = GroupedLinear(3, 256, 128, bias=False, params_dtype=torch.bfloat16, name="fc3")
+    with mf.fp8_autocast(fp8_recipe=RECIPES["blockwise"]):
+        block.fp8_operands(None)
+    assert "_plans" not in block._quantizers["weight0"].__dict__

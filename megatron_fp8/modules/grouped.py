@@ -17,6 +17,7 @@ from torch import nn
 
 from ..gemm_grouped import packed, stacked
 from ..ops.grouped_linear import grouped_linear
+from ..ops.lean_grouped import lean_weights
 from ..ops.linear import LinearQuantizers, mark_tensors_param_derived, weight_row_padding
 from ..quant.quantizers import Segments
 from ..quant.tensor import QuantizedTensor
@@ -81,8 +82,11 @@ class ExpertParams:
         seg = None
         if self.num_gemms > 1 and not weight_row_padding(q0, w0.shape[0]) and q0.casts_segments(w0):
             with torch.no_grad():
-                seg = q0.quantize_segments_packed(self._stacked_weights(), [w0.shape[0]] * self.num_gemms,
-                                                  peers=[q.weight for q in qs], rowwise=True, columnwise=True)
+                stacked = self._stacked_weights()
+                seg = lean_weights(stacked, qs)  # (the same cast, its checks made once)
+                if seg is None:
+                    seg = q0.quantize_segments_packed(stacked, [w0.shape[0]] * self.num_gemms,
+                                                      peers=[q.weight for q in qs], rowwise=True, columnwise=True)
         if seg is None or seg.rows is None or seg.cols is None:
             return [self.fp8_weight(k, q, is_first_microbatch)  # type: ignore[attr-defined]
                     for k, q in zip(keys, qs)]

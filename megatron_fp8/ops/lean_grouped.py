@@ -62,7 +62,7 @@ from .padding import Padded
 if TYPE_CHECKING:
     from .linear import LinearQuantizers
 
-__all__ = ["GroupedPlan", "grouped_plan_for", "lean_grouped"]
+__all__ = ["GroupedPlan", "current_segments", "grouped_plan_for", "lean_grouped", "lean_weights"]
 
 L = ScaleLayout
 _MISSING = object()
@@ -238,18 +238,25 @@ def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, sp
 
 def _current(plan: GroupedPlan, role: str, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor,
              rowwise: bool, columnwise: bool) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
-    """``kernels._current_launches`` of the experts' rows: where its dispatch takes the one-launch
-    cast for this role and copies (decided at the plan's first such cast, which also builds the
-    CUDA tile cast for later graph captures where the settings want it), that cast called directly,
-    behind the same guard; else the dispatch itself."""
+    """``kernels._current_launches`` of the experts' rows (``current_segments``, its decision kept
+    on the plan per role and copies)."""
+    return current_segments(plan.cast_choices, (role, rowwise, columnwise), q, t, splits, off, rowwise, columnwise)
+
+
+def current_segments(choices: dict[Any, bool], key: Any, q: Any, t: torch.Tensor, splits: Sequence[int],
+                     off: torch.Tensor, rowwise: bool, columnwise: bool
+                     ) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
+    """``kernels._current_launches`` of ``t``'s segments: where its dispatch takes the one-launch
+    cast (decided at the first call under ``key`` in ``choices``, which also builds the CUDA tile
+    cast for later graph captures where the settings want it), that cast called directly, behind
+    the same guard; else the dispatch itself. Eager calls only (a capture decides otherwise)."""
     from ..kernels import triton_cast
     from ..kernels import triton_persistent as tp
 
-    key = (role, rowwise, columnwise)
-    one = plan.cast_choices.get(key)
+    one = choices.get(key)
     if one is None:
-        one = plan.cast_choices[key] = (not triton_cast.cuda_current_ok(t, q.fp8_dtype, rowwise, columnwise)
-                                      and tp.persistent_ok(t))
+        one = choices[key] = (not triton_cast.cuda_current_ok(t, q.fp8_dtype, rowwise, columnwise)
+                              and tp.persistent_ok(t))
     if one and kernels._one_launch.ok:
         out = kernels._one_launch(lambda: tp.cast_current_persistent(
             t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon,
@@ -258,6 +265,40 @@ def _current(plan: GroupedPlan, role: str, q: Any, t: torch.Tensor, splits: Sequ
             return out
     return kernels._current_launches(t, q.fp8_dtype, rowwise, columnwise, power_2_scale=q.power_2_scale,
                                      amax_epsilon=q.amax_epsilon, splits=list(splits), offsets=off)
+
+
+def lean_weights(stacked: torch.Tensor, quantizers: Sequence[LinearQuantizers]) -> Segments | None:
+    """Every expert's FP8 weight (both copies) from ``stacked [E * N, K]`` as current scaling's
+    segmented cast makes them (``CurrentScalingQuantizer.quantize_segments_packed``: the same
+    launch, buffers and bits), its checks made once per signature and kept with the layer's plans,
+    and the cast called as ``current_segments`` calls it; None where that cast would not serve
+    (another recipe, padded or unaligned rows, a capture, no lean path here): the caller then
+    calls ``quantize_segments_packed``."""
+    q0 = quantizers[0]
+    qw = q0.weight
+    if type(qw) is not CurrentScalingQuantizer or not _lean_here(stacked) or kernels.capturing(stacked.device):
+        return None
+    g = len(quantizers)
+    plans: dict[tuple[Any, ...], Any] | None = q0.__dict__.get("_plans")
+    if plans is None:
+        plans = q0.__dict__["_plans"] = {}
+    key = ("weights", g, stacked.shape, stacked.dtype, stacked.device, qw.group, routes.settings())
+    entry = plans.get(key, _MISSING)
+    if entry is _MISSING or (entry is not None and not _same(entry[0], [q.weight for q in quantizers])):
+        peers = [q.weight for q in quantizers]
+        n = stacked.shape[0] // g if stacked.dim() == 2 else 0
+        ok = (g > 1 and n > 0 and n % 128 == 0 and n * g == stacked.shape[0] and not _grouped(qw.group)
+              and kernels._kernel_device(stacked) and qw._segments_apply(stacked, peers, True, True))
+        entry = plans[key] = (tuple(peers), {}, [n] * g) if ok else None
+    if entry is None:
+        return None
+    splits = entry[2]
+    off = kernels.segment_offsets(splits, stacked.device)
+    out = current_segments(entry[1], "weight", qw, stacked, splits, off, True, True)
+    if out is None:
+        return None
+    row, col, scale, inv = out
+    return qw._segments_out(stacked, splits, row, col, inv, scale.unbind(0))
 
 
 def _record(name: str, layouts: tuple[ScaleLayout, ScaleLayout], mnk: tuple[int, int, int]) -> None:
