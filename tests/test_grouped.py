@@ -13,6 +13,7 @@ the tokens and dy zero-padded to the block (the zero rows add exact zeros to the
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import pytest
@@ -479,6 +480,32 @@ def test_segment_offsets_cached_and_bounded() -> None:
         kernels.segment_offsets([i + 100], torch.device("cpu"))
     assert len(kernels._ints_cache) == kernels._INTS_KEPT
     assert kernels.segment_offsets([3, 0, 5], torch.device("cpu")) is not first  # evicted, rebuilt
+
+
+@pytest.mark.parametrize("real, padded", [([3, 0, 5], [128, 0, 128]), ([1, 2], [128, 128]), ([128], [128])])
+def test_segment_offsets_pair_in_one_copy(real: list[int], padded: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router step's real and padded prefix sums reach the device in one copy: two views, each
+    16 bytes aligned, the values ``segment_offsets`` gives, and kept as its own entries (later
+    calls get the same tensors); one already kept, or a capture, takes them one by one."""
+    from megatron_fp8.quant import kernels
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kernels, "_ints_cache", {})
+    a, b = kernels.segment_offsets_pair(real, padded, cpu)
+    assert a.tolist() == [0, *itertools.accumulate(real)] and b.tolist() == [0, *itertools.accumulate(padded)]
+    assert a.dtype == b.dtype == torch.int64 and not a.data_ptr() % 16 and not b.data_ptr() % 16
+    assert kernels.segment_offsets(real, cpu) is a and kernels.segment_offsets(padded, cpu) is b
+    if real != padded:
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one copy
+    again = kernels.segment_offsets_pair(real, padded, cpu)
+    assert again[0] is a and again[1] is b
+    monkeypatch.setattr(kernels, "_ints_cache", {})
+    monkeypatch.setattr(kernels, "_ints_held", {})
+    monkeypatch.setattr(kernels, "_ints_captured", [])
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
+    c, d = kernels.segment_offsets_pair(real, padded, cpu)
+    assert c.tolist() == a.tolist() and d.tolist() == b.tolist()
+    assert real == padded or c.untyped_storage().data_ptr() != d.untyped_storage().data_ptr()
 
 
 def test_segment_offsets_kept_for_captured_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,7 +92,7 @@ def expert_index(real: Sequence[int], padded: Sequence[int], device: torch.devic
         return None
     if cast_backend() not in ("auto", "triton") or _pad() is None:
         return None
-    return _pad().expert_index(segment_offsets(real, device), segment_offsets(padded, device), sum(real))
+    return _pad().expert_index(*segment_offsets_pair(real, padded, device), sum(real))
 
 
 class PaddedRows(NamedTuple):
@@ -379,6 +379,27 @@ def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype 
 def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
     """Prefix sums ``[0, s0, s0+s1, ...]`` (int64) of ``splits`` on ``device`` (``device_ints``)."""
     return device_ints((0, *itertools.accumulate(splits)), device)
+
+
+def segment_offsets_pair(real: Sequence[int], padded: Sequence[int], device: torch.device
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``segment_offsets`` of both ``real`` and ``padded`` (a router step's new splits): where
+    neither is kept yet and no graph is being captured, both reach the device in one pinned copy
+    (two views of it, kept as ``device_ints`` keeps each), else one by one."""
+    dev = torch.device(device)
+    a = (0, *itertools.accumulate(real))
+    b = (0, *itertools.accumulate(padded))
+    ka, kb = (a, dev, torch.int64), (b, dev, torch.int64)
+    if a == b or any(k in _ints_held or k in _ints_cache for k in (ka, kb)) or capturing(dev):
+        return device_ints(a, dev), device_ints(b, dev)
+    n = len(a) + len(a) % 2  # the second view 16 bytes aligned too, as a tensor of its own would be
+    host = torch.tensor(a + (0,) * (n - len(a)) + b, dtype=torch.int64, pin_memory=dev.type == "cuda")
+    both = host.to(dev, non_blocking=True)
+    while len(_ints_cache) >= _INTS_KEPT - 1:
+        _ints_cache.pop(next(iter(_ints_cache)))
+    _ints_cache[ka] = first = (host[:len(a)], both[:len(a)])
+    _ints_cache[kb] = second = (host[n:], both[n:])
+    return first[1], second[1]
 
 
 def segment_amax_scale(x: torch.Tensor, splits: Sequence[int], dtype: torch.dtype, *, scale: bool,
