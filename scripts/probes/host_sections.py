@@ -6,6 +6,7 @@ and the autograd engine's own work (the step minus both) the time goes to.
 
     python scripts/probes/host_sections.py grouped-off grouped-current grouped-router-current \
         [--steps 200] [--caller] [--deep] [--wrap module:qualname ...]
+    python scripts/probes/host_sections.py current blockwise delayed    # a Linear's step (LINEAR)
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ DEFAULT = [
     "megatron_fp8.quant.kernels:segment_offsets",
     "megatron_fp8.ops.grouped_linear:_GroupedLinear.forward",
     "megatron_fp8.ops.grouped_linear:_GroupedLinear.backward",
+]
+# a ``Linear`` step's (cases ``current``, ``blockwise``, ``delayed``: the host table's dense rows)
+LINEAR = [
+    "megatron_fp8.modules.linear:Linear.forward",
+    "megatron_fp8.modules.base:FP8Module.fp8_quantizers",
+    "megatron_fp8.modules.base:FP8Module.fp8_weight",
+    "megatron_fp8.ops.linear:cast_weight",
+    "megatron_fp8.ops.linear:linear",
+    "megatron_fp8.ops.graphed:graph_for",
+    "megatron_fp8.ops.lean:plan_for",
+    "megatron_fp8.ops.lean:lean_linear",
+    "megatron_fp8.ops.lean:LeanLinear.forward",
+    "megatron_fp8.ops.lean:LeanLinear.backward",
+    "megatron_fp8.ops.lean:_gradients",
+    "megatron_fp8.ops.lean:save_for_gradients",
+    "megatron_fp8.autocast:fp8_autocast",
+    "megatron_fp8.kernels.triton_launch:Prepared.__call__",
+    "megatron_fp8.kernels.triton_launch:Launcher.__call__",
+    "megatron_fp8.kernels.triton_persistent:_sync_words",
 ]
 # one level down (``--deep``): the casts' and launches' own parts
 DEEP = [
@@ -100,7 +120,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--caller", action="store_true", help="backward on the calling thread (no engine handoff)")
-    ap.add_argument("--wrap", nargs="*", default=None, help="module:qualname to time (default: the grouped path's)")
+    ap.add_argument("--wrap", nargs="*", default=None,
+                    help="module:qualname to time (default: the grouped path's, or LINEAR's for Linear cases)")
     ap.add_argument("--deep", action="store_true", help="also the casts' and launches' own parts (DEEP)")
     args = ap.parse_args()
     if args.caller:
@@ -108,7 +129,9 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = {c: make_step(c, device) for c in args.cases}
-    for spec in (args.wrap if args.wrap is not None else DEFAULT) + (DEEP if args.deep else []):
+    dense = not any(c.startswith("grouped-") for c in args.cases)
+    default = LINEAR if dense else DEFAULT
+    for spec in (args.wrap if args.wrap is not None else default) + (DEEP if args.deep and not dense else []):
         try:
             _wrap(spec)
         except (AttributeError, KeyError, ImportError) as exc:
