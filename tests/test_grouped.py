@@ -409,6 +409,28 @@ def test_fused_main_grads_in_one_buffer_take_one_add(order: str, recipe: str | N
     assert fused.weights[0].main_grad.abs().sum() > 0 and not fused.weights[1].main_grad.any()
 
 
+@pytest.mark.parametrize("zero_out", [False, True])
+def test_fused_dummy_grads_are_views_of_one_buffer(zero_out: bool) -> None:
+    """Where Megatron tracks ``grad_added_to_main_grad``, a fused grouped backward sets it on every
+    expert and hands autograd dummy grads that are views of one allocation (zeros where
+    ``zero_out_wgrad`` asks), kept by autograd as the weights' ``.grad``; the adds are unchanged."""
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, K, N, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    flat = torch.zeros(3, N, K)
+    for i, w in enumerate(layer.weights):
+        w.main_grad = flat[i]
+        w.grad_added_to_main_grad = False
+        w.zero_out_wgrad = zero_out
+    x, dy = _data([128, 0, 256], 0)
+    layer(x, [128, 0, 256]).backward(dy)
+    grads = [w.grad for w in layer.weights]
+    assert all(w.grad_added_to_main_grad for w in layer.weights)
+    assert all(g is not None and g.shape == (N, K) and g.dtype == torch.bfloat16 for g in grads)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    assert not zero_out or not any(g.any() for g in grads)
+    assert flat[0].abs().sum() > 0 and not flat[1].any()
+
+
 def test_skip_bias_add_returns_every_bias_and_repr_shows_flag() -> None:
     layer = GroupedLinear(2, K, N, skip_bias_add=True, save_original_input=True)
     y, biases = layer(torch.randn(10, K), [3, 7])

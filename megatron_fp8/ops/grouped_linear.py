@@ -75,7 +75,7 @@ from .lean_grouped import grouped_plan_for, lean_grouped
 from .linear import (
     LinearQuantizers,
     _accumulate_wgrad,
-    added_to_main_grad,
+    added_to_main_grads,
     cast_weight,
     check_float_input,
     unpad_wgrad,
@@ -300,7 +300,7 @@ def accumulate_experts(weights: Sequence[torch.Tensor], dws: Sequence[torch.Tens
         if mains is not None:
             main, reversed_ = mains
             main.add_(src.flip(0) if reversed_ else src)
-            return [added_to_main_grad(w) for w in weights]
+            return added_to_main_grads(weights)
     return [_accumulate_wgrad(w, d) if d is not None else None for w, d in zip(weights, dws)]
 
 

@@ -56,7 +56,7 @@ from ..quant.tensor import SCALE_STRIDE, Operands, Pack
 from ..quant.tensor_scaling import CurrentScalingQuantizer, DelayedScalingQuantizer
 from . import paths, routes
 from .lean import _lean_here, save_for_gradients
-from .linear import added_to_main_grad
+from .linear import added_to_main_grads
 from .padding import Padded
 
 if TYPE_CHECKING:
@@ -394,7 +394,7 @@ class LeanGrouped(torch.autograd.Function):
                 plan.backward_general = True
                 dx, dws = _general_gradients(ctx, plan, dy, src, saved, padded, wgrad_dtype, need_dx, need_dw)
         if ctx.fuse_wgrad and need_dw:  # (None: the wgrad added them in its epilogue)
-            dws = [added_to_main_grad(w) for w in ctx.weights] if dws is None else accumulate_experts(ctx.weights, dws)
+            dws = added_to_main_grads(ctx.weights) if dws is None else accumulate_experts(ctx.weights, dws)
         return dx, None, None, None, None, None, None, *dws, *dbs
 
 

@@ -21,7 +21,7 @@ and the hooks gather it along the token dim in forward and again in backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -144,6 +144,21 @@ def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
     weight.grad_added_to_main_grad = True  # type: ignore[attr-defined]
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def added_to_main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``added_to_main_grad`` of every expert's weight, the dummies views of one buffer where the
+    weights are alike (one allocation instead of one an expert; autograd keeps a contiguous view as
+    the ``.grad`` it is, as it keeps a fresh tensor)."""
+    w0 = weights[0]
+    if len(weights) < 2 or not all(hasattr(w, "grad_added_to_main_grad") and w.shape == w0.shape
+                                   and w.dtype == w0.dtype and w.device == w0.device for w in weights):
+        return [added_to_main_grad(w) for w in weights]
+    for w in weights:
+        w.grad_added_to_main_grad = True  # type: ignore[attr-defined]
+    zero = any(getattr(w, "zero_out_wgrad", False) for w in weights)
+    make = torch.zeros if zero else torch.empty
+    return list(make((len(weights), *w0.shape), dtype=w0.dtype, device=w0.device).unbind(0))
 
 
 class Pending(Protocol):
