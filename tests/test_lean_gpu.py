@@ -80,6 +80,7 @@ def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, 
         main = torch.zeros(8, 512, 1024, device="cuda")
         for i, w in enumerate(layer.weights):
             w.main_grad = main[7 - i]
+            w.grad_added_to_main_grad = False  # as Megatron's DDP tracks it: dummy grads come back
     out: list[torch.Tensor] = []
     with mf.gemm.record_gemms() as calls:
         for s in splits:  # a new split each step, as a router hands them out (padded to 128 inside)
@@ -87,6 +88,10 @@ def _grouped_run(monkeypatch: pytest.MonkeyPatch, lean_on: str, recipe: object, 
             with mf.fp8_autocast(fp8_recipe=recipe):
                 y = layer(x, s)
             y.backward(torch.randn_like(y))
+            if fuse:
+                assert all(w.grad_added_to_main_grad and w.grad is not None for w in layer.weights)
+                for w in layer.weights:
+                    w.grad, w.grad_added_to_main_grad = None, False  # what Megatron's hook does
             out += [y.detach().clone(), x.grad.clone(),
                     *[(w.main_grad if fuse else w.grad).clone() for w in layer.weights]]
     torch.cuda.synchronize()
