@@ -375,3 +375,30 @@ def test_lean_weights_equal_the_segmented_cast(monkeypatch: pytest.MonkeyPatch, 
     with mf.fp8_autocast(fp8_recipe=RECIPES["blockwise"]):
         block.fp8_operands(None)
     assert "_plans" not in block._quantizers["weight0"].__dict__
+
+
+def test_lean_weights_decline_where_the_segmented_cast_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts whose weight quantizers differ in their options, amaxes reduced over a group, and a
+    CUDA graph capture: ``lean_weights`` declines (the segmented cast decides, as without it)."""
+    from megatron_fp8.ops.lean_grouped import lean_weights
+    from megatron_fp8.quant import kernels
+
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    layer = GroupedLinear(3, 256, 128, bias=False, params_dtype=torch.bfloat16, name="fc1")
+    with mf.fp8_autocast(fp8_recipe=RECIPES["current"]):
+        qs = [layer.fp8_quantizers(f"weight{i}") for i in range(3)]
+    stacked = layer._stacked_weights()
+    qs[2].weight.power_2_scale = not qs[0].weight.power_2_scale  # a peer of other options
+    assert lean_weights(stacked, qs) is None
+    assert [v for k, v in qs[0].__dict__["_plans"].items() if k[0] == "weights"] == [None]
+    qs[2].weight.power_2_scale = qs[0].weight.power_2_scale
+    qs[0].__dict__["_plans"].clear()
+    monkeypatch.setattr(lean_grouped, "_grouped", lambda group: True)  # amaxes reduced over a group
+    assert lean_weights(stacked, qs) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("MEGATRON_FP8_LEAN", "1")
+    qs[0].__dict__["_plans"].clear()
+    monkeypatch.setattr(kernels, "capturing", lambda device: True)
+    assert lean_weights(stacked, qs) is None and not qs[0].__dict__["_plans"]
+    monkeypatch.setattr(kernels, "capturing", lambda device: False)
+    assert lean_weights(stacked, qs) is not None

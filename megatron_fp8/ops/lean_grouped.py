@@ -273,7 +273,8 @@ def lean_weights(stacked: torch.Tensor, quantizers: Sequence[LinearQuantizers]) 
     launch, buffers and bits), its checks made once per signature and kept with the layer's plans,
     and the cast called as ``current_segments`` calls it; None where that cast would not serve
     (another recipe, padded or unaligned rows, a capture, no lean path here): the caller then
-    calls ``quantize_segments_packed``."""
+    calls ``quantize_segments_packed``. As a ``GroupedPlan``, it serves the quantizer objects it
+    checked, whose options are not changed in place (a recipe change makes new ones)."""
     q0 = quantizers[0]
     qw = q0.weight
     if type(qw) is not CurrentScalingQuantizer or not _lean_here(stacked) or kernels.capturing(stacked.device):
@@ -287,7 +288,8 @@ def lean_weights(stacked: torch.Tensor, quantizers: Sequence[LinearQuantizers]) 
     if entry is _MISSING or (entry is not None and not _same(entry[0], [q.weight for q in quantizers])):
         peers = [q.weight for q in quantizers]
         n = stacked.shape[0] // g if stacked.dim() == 2 else 0
-        ok = (g > 1 and n > 0 and n % 128 == 0 and n * g == stacked.shape[0] and not _grouped(qw.group)
+        ok = (g > 1 and n > 0 and n % 128 == 0 and n * g == stacked.shape[0] and stacked.shape[1] > 0
+              and not _grouped(qw.group)
               and kernels._kernel_device(stacked) and qw._segments_apply(stacked, peers, True, True))
         entry = plans[key] = (tuple(peers), {}, [n] * g) if ok else None
     if entry is None:

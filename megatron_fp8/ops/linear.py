@@ -147,11 +147,14 @@ def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def added_to_main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``added_to_main_grad`` of every expert's weight, the dummies views of one buffer where the
-    weights are alike (one allocation instead of one an expert; autograd keeps a contiguous view as
-    the ``.grad`` it is, as it keeps a fresh tensor)."""
+    """``added_to_main_grad`` of every expert's weight, the dummies slices of one buffer where the
+    weights are alike (one allocation instead of one an expert; autograd adopts each contiguous
+    slice as that weight's ``.grad`` without a copy, as it adopts a fresh tensor). The buffer lives
+    until every expert's ``.grad`` is cleared (Megatron's DDP hook clears each)."""
+    if len(weights) < 2:
+        return [added_to_main_grad(w) for w in weights]
     w0 = weights[0]
-    if len(weights) < 2 or not all(hasattr(w, "grad_added_to_main_grad") and w.shape == w0.shape
+    if not all(hasattr(w, "grad_added_to_main_grad") and w.shape == w0.shape
                                    and w.dtype == w0.dtype and w.device == w0.device for w in weights):
         return [added_to_main_grad(w) for w in weights]
     for w in weights:

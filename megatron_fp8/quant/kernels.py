@@ -395,7 +395,7 @@ def segment_offsets_pair(real: Sequence[int], padded: Sequence[int], device: tor
     n = len(a) + len(a) % 2  # the second view 16 bytes aligned too, as a tensor of its own would be
     host = torch.tensor(a + (0,) * (n - len(a)) + b, dtype=torch.int64, pin_memory=dev.type == "cuda")
     both = host.to(dev, non_blocking=True)
-    while len(_ints_cache) >= _INTS_KEPT - 1:
+    while _ints_cache and len(_ints_cache) >= _INTS_KEPT - 1:
         _ints_cache.pop(next(iter(_ints_cache)))
     _ints_cache[ka] = first = (host[:len(a)], both[:len(a)])
     _ints_cache[kb] = second = (host[n:], both[n:])

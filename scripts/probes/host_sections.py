@@ -54,7 +54,6 @@ LINEAR = [
     "megatron_fp8.ops.lean:LeanLinear.backward",
     "megatron_fp8.ops.lean:_gradients",
     "megatron_fp8.ops.lean:save_for_gradients",
-    "megatron_fp8.autocast:fp8_autocast",
     "megatron_fp8.kernels.triton_launch:Prepared.__call__",
     "megatron_fp8.kernels.triton_launch:Launcher.__call__",
     "megatron_fp8.kernels.triton_persistent:_sync_words",
@@ -129,7 +128,12 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     steps = {c: make_step(c, device) for c in args.cases}
-    dense = not any(c.startswith("grouped-") for c in args.cases)
+    grouped = [c.startswith("grouped-") for c in args.cases]
+    dense = not any(grouped)
+    if args.wrap is None and any(grouped) and not all(grouped):
+        print("(grouped and Linear cases together: the grouped sections are wrapped; run the Linear cases apart)")
+    if args.deep and dense:
+        print("(--deep adds the grouped casts' parts: nothing for Linear cases)")
     default = LINEAR if dense else DEFAULT
     for spec in (args.wrap if args.wrap is not None else default) + (DEEP if args.deep and not dense else []):
         try:
