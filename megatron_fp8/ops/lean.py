@@ -84,9 +84,7 @@ def plan_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w
     serves it (padding, a capture, FP8 state it does not cover, the lean path off)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # graphs take the general path's capture routes
-    plans: dict[tuple[Any, ...], LinearPlan | None] | None = q.__dict__.get("_plans")
-    if plans is None:
-        plans = q.__dict__["_plans"] = {}
+    plans: dict[tuple[Any, ...], LinearPlan | None] = q.__dict__.setdefault("_plans", {})
     key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, w_fp8.shape[0], w_fp8.rowwise is None,
            w_fp8.columnwise is None, soi, wgrad, fuse_wgrad, bias is None, comm, getattr(q.input, "group", None),
            getattr(q.grad_output, "group", None), routes.settings())

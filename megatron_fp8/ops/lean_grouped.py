@@ -114,9 +114,7 @@ def grouped_plan_for(x2d: torch.Tensor, weights: Sequence[torch.Tensor], w_fp8: 
     if x2d.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # graphs take the general path's capture routes (cuBLAS per expert)
     q0 = quantizers[0]
-    plans: dict[tuple[Any, ...], GroupedPlan | None] | None = q0.__dict__.get("_plans")
-    if plans is None:
-        plans = q0.__dict__["_plans"] = {}
+    plans: dict[tuple[Any, ...], GroupedPlan | None] = q0.__dict__.setdefault("_plans", {})
     w0 = weights[0]
     key = ("grouped", len(quantizers), x2d.shape[1], x2d.dtype, x2d.device, w0.shape, w0.dtype, soi, wgrad,
            fuse_wgrad, has_bias, getattr(q0.input, "group", None), getattr(q0.grad_output, "group", None),
@@ -229,18 +227,11 @@ def _cast(plan: GroupedPlan, role: str, t: torch.Tensor | kernels.PaddedRows, sp
         row, row_s, col, col_s = triton_cast.cast_segments(t, off, list(splits), q.fp8_dtype, "1x128", rowwise,
                                                            columnwise)
         return row, row_s, col, col_s, None
-    out = _current(plan, role, q, t, splits, off, rowwise, columnwise)
+    out = current_segments(plan.cast_choices, (role, rowwise, columnwise), q, t, splits, off, rowwise, columnwise)
     if out is None:
         raise _Decline("no current-scaling segmented cast builds here")
     row, col, scale, inv = out
     return row, inv, col, inv, scale
-
-
-def _current(plan: GroupedPlan, role: str, q: Any, t: torch.Tensor, splits: Sequence[int], off: torch.Tensor,
-             rowwise: bool, columnwise: bool) -> tuple[Any, Any, torch.Tensor, torch.Tensor] | None:
-    """``kernels._current_launches`` of the experts' rows (``current_segments``, its decision kept
-    on the plan per role and copies)."""
-    return current_segments(plan.cast_choices, (role, rowwise, columnwise), q, t, splits, off, rowwise, columnwise)
 
 
 def current_segments(choices: dict[Any, bool], key: Any, q: Any, t: torch.Tensor, splits: Sequence[int],
@@ -280,17 +271,14 @@ def lean_weights(stacked: torch.Tensor, quantizers: Sequence[LinearQuantizers]) 
     if type(qw) is not CurrentScalingQuantizer or not _lean_here(stacked) or kernels.capturing(stacked.device):
         return None
     g = len(quantizers)
-    plans: dict[tuple[Any, ...], Any] | None = q0.__dict__.get("_plans")
-    if plans is None:
-        plans = q0.__dict__["_plans"] = {}
+    plans: dict[tuple[Any, ...], Any] = q0.__dict__.setdefault("_plans", {})
     key = ("weights", g, stacked.shape, stacked.dtype, stacked.device, qw.group, routes.settings())
     entry = plans.get(key, _MISSING)
-    if entry is _MISSING or (entry is not None and not _same(entry[0], [q.weight for q in quantizers])):
-        peers = [q.weight for q in quantizers]
+    peers = [q.weight for q in quantizers]
+    if entry is _MISSING or (entry is not None and not _same(entry[0], peers)):
         n = stacked.shape[0] // g if stacked.dim() == 2 else 0
         ok = (g > 1 and n > 0 and n % 128 == 0 and n * g == stacked.shape[0] and stacked.shape[1] > 0
-              and not _grouped(qw.group)
-              and kernels._kernel_device(stacked) and qw._segments_apply(stacked, peers, True, True))
+              and not _grouped(qw.group) and qw._segments_apply(stacked, peers, True, True))
         entry = plans[key] = (tuple(peers), {}, [n] * g) if ok else None
     if entry is None:
         return None

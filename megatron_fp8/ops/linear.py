@@ -151,12 +151,10 @@ def added_to_main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor | 
     weights are alike (one allocation instead of one an expert; autograd adopts each contiguous
     slice as that weight's ``.grad`` without a copy, as it adopts a fresh tensor). The buffer lives
     until every expert's ``.grad`` is cleared (Megatron's DDP hook clears each)."""
-    if len(weights) < 2:
+    if len(weights) < 2 or not all(hasattr(w, "grad_added_to_main_grad") and w.shape == weights[0].shape
+                                   and w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights):
         return [added_to_main_grad(w) for w in weights]
     w0 = weights[0]
-    if not all(hasattr(w, "grad_added_to_main_grad") and w.shape == w0.shape
-                                   and w.dtype == w0.dtype and w.device == w0.device for w in weights):
-        return [added_to_main_grad(w) for w in weights]
     for w in weights:
         w.grad_added_to_main_grad = True  # type: ignore[attr-defined]
     zero = any(getattr(w, "zero_out_wgrad", False) for w in weights)

@@ -367,13 +367,18 @@ def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype 
         if in_capture:  # its copy is a node of the graph: valid only once the graph has replayed
             _ints_captured.append(entry)
             return entry[1]
-        while len(_ints_cache) >= _INTS_KEPT:
-            _ints_cache.pop(next(iter(_ints_cache)))
+        _make_room(1)
     if in_capture:
         _ints_held[key] = entry
     else:
         _ints_cache[key] = entry  # most recent last
     return entry[1]
+
+
+def _make_room(entries: int) -> None:
+    """Evict the oldest eager ``device_ints`` entries until ``entries`` new ones fit."""
+    while _ints_cache and len(_ints_cache) > _INTS_KEPT - entries:
+        _ints_cache.pop(next(iter(_ints_cache)))
 
 
 def segment_offsets(splits: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -395,8 +400,7 @@ def segment_offsets_pair(real: Sequence[int], padded: Sequence[int], device: tor
     n = len(a) + len(a) % 2  # the second view 16 bytes aligned too, as a tensor of its own would be
     host = torch.tensor(a + (0,) * (n - len(a)) + b, dtype=torch.int64, pin_memory=dev.type == "cuda")
     both = host.to(dev, non_blocking=True)
-    while _ints_cache and len(_ints_cache) >= _INTS_KEPT - 1:
-        _ints_cache.pop(next(iter(_ints_cache)))
+    _make_room(2)
     _ints_cache[ka] = first = (host[:len(a)], both[:len(a)])
     _ints_cache[kb] = second = (host[n:], both[n:])
     return first[1], second[1]
