@@ -7,7 +7,10 @@ as our spec, ``baseline_spec``; and ``megatron-bf16-own-attn`` with its own unfu
 our spec in BF16, and our spec under ``--fp8-format hybrid`` with each ``--fp8-recipe``,
 ``save_original_input`` flags off and on (``MEGATRON_FP8_CONFIG``, rules below), and each recipe
 without the lean eager path (``ours-<recipe>-general``: ``MEGATRON_FP8_LEAN=0``), and with the
-opt-in per-layer CUDA graphs (``ours-<recipe>-graphs``: ``MEGATRON_FP8_GRAPHS=1``). Time per
+opt-in per-layer CUDA graphs (``ours-<recipe>-graphs``: ``MEGATRON_FP8_GRAPHS=1``); the
+``-fullgraph`` variants (Megatron's BF16 too) run under Megatron-LM's own whole-iteration CUDA
+graph (``--cuda-graph-impl full_iteration``: forward and backward of every micro-batch captured
+at iteration 3 and replayed after), rated against Megatron's BF16 run the same way. Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
 ending after iteration 10 (warm-up; in a short run, after the first two; 30 iterations by
 default); peak memory is its ``max allocated`` report. Prints a table, writes
@@ -63,7 +66,10 @@ COMPILED_FUSIONS_OFF = ["--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
 # Megatron's own linears with our core attention (SDPA on CUDA): attention for attention
 BASELINE_SPEC = ["--spec", "megatron_fp8.megatron.plugin", "baseline_spec"]
-BASELINES = ("megatron-bf16", "megatron-bf16-caller")  # the variants run with it, and the ratios' references
+BASELINES = ("megatron-bf16", "megatron-bf16-caller", "megatron-bf16-fullgraph")  # run with it; the ratios' references
+# Megatron-LM's whole-iteration CUDA graph (forward_backward_func captured after its warm-up steps);
+# it asks for the NaN check off (that check reads the loss on the host)
+FULL_GRAPH = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
 _PROJ = '  - match: "*.self_attention.linear_proj"\n    save_original_input: true\n'
 _SHARED = '  - match: "*.shared_experts.linear_fc1"\n    save_original_input: true\n'
 FLAG_RULES = {"dense": "layers:\n" + _PROJ, "moe": "layers:\n" + _PROJ + _SHARED}  # the mission's placements
@@ -81,6 +87,7 @@ class Variant:
     graphs: bool = False  # MEGATRON_FP8_GRAPHS=1: our FP8 linears replay per-layer CUDA graphs (ops/graphed.py)
     fused: bool = False  # MEGATRON_FP8_WGRAD_FUSION=on: our linears add their wgrad into main_grad (no apex needed)
     caller: bool = False  # backward on the training thread, not the autograd engine's CUDA device thread
+    full_graph: bool = False  # Megatron-LM's --cuda-graph-impl full_iteration (FULL_GRAPH)
 
 
 def variants(names: list[str] | None) -> list[Variant]:
@@ -97,6 +104,10 @@ def variants(names: list[str] | None) -> list[Variant]:
     # runs on the thread that calls it, not on the engine's CUDA device thread (run AM)
     all_ += [Variant("megatron-bf16-caller", False, caller=True)]
     all_ += [Variant(f"ours-{r}-caller", True, r, caller=True) for r in RECIPES if r != "delayed"]
+    # Megatron-LM's whole-iteration CUDA graph, the baseline too (host cost gone on both sides)
+    all_ += [Variant("megatron-bf16-fullgraph", False, full_graph=True), Variant("ours-bf16-fullgraph", True,
+                                                                                full_graph=True)]
+    all_ += [Variant(f"ours-{r}-fullgraph", True, r, full_graph=True) for r in RECIPES]
     return [v for v in all_ if names is None or v.name in names]
 
 
@@ -166,6 +177,8 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     spec = SPEC if v.ours else BASELINE_SPEC if v.name in BASELINES else []
     fusions = NEEDS_TE_OR_APEX + (COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else [])
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
+    if v.full_graph:
+        cmd += FULL_GRAPH
     if v.recipe is not None:
         cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
@@ -258,8 +271,9 @@ def from_logs(paths: list[str]) -> list[Result]:
 
 def _baseline(variant: str) -> str:
     """The run a variant's ratio is taken against: Megatron's BF16, with its backward on the
-    calling thread too for a ``-caller`` variant."""
-    return BASELINES[1] if variant.endswith("-caller") else BASELINES[0]
+    calling thread too for a ``-caller`` variant, under the whole-iteration graph too for a
+    ``-fullgraph`` one."""
+    return next((b for b in BASELINES[1:] if variant.endswith(b.rpartition("-")[2])), BASELINES[0])
 
 
 def table(results: list[Result]) -> str:
@@ -274,6 +288,9 @@ def table(results: list[Result]) -> str:
         tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
         mem = f"{r.max_alloc_mib:,.0f}" if r.max_alloc_mib else "-"
         notes = [r.gemms] if r.gemms else []
+        eager = base.get((r.config, BASELINES[0]))
+        if key[1] != BASELINES[0] and r.tokens_per_s and eager:  # also against the eager baseline
+            notes.append(f"{r.tokens_per_s / eager:.3f}x {BASELINES[0]}")
         if r.forwards:
             notes.append(f"forwards: {r.forwards}")
         d = drift(r.intervals)

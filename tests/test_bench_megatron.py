@@ -235,3 +235,32 @@ def test_caller_variants_are_rated_against_the_caller_baseline() -> None:
     ratio = {row.split()[1]: row.split()[4] for row in rows[1:]}
     assert ratio == {"megatron-bf16": "1.000x", "megatron-bf16-caller": "1.000x", "ours-tensorwise": "1.500x",
                      "ours-tensorwise-caller": "1.500x"}
+
+
+def test_fullgraph_variants_run_megatrons_whole_iteration_graph(tmp_path: Path) -> None:
+    """The ``-fullgraph`` variants (and only they) pass Megatron-LM's whole-iteration CUDA graph
+    options; each is rated against Megatron's BF16 under the same graph, and against the eager
+    baseline in its notes."""
+    import argparse
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                              out=str(tmp_path))
+    cmds = {v.name: bm._command(args, "dense-1b", v, "")[0] for v in bm.variants(None)}
+    for name, cmd in cmds.items():
+        graphed = "--cuda-graph-impl" in cmd
+        assert graphed == name.endswith("-fullgraph"), name
+        if graphed:
+            assert cmd[cmd.index("--cuda-graph-impl") + 1] == "full_iteration"
+            assert "--no-check-for-nan-in-loss-and-grad" in cmd
+    assert cmds["megatron-bf16-fullgraph"][cmds["megatron-bf16-fullgraph"].index("--spec") + 2] == "baseline_spec"
+    assert {"ours-tensorwise-fullgraph", "ours-blockwise-fullgraph", "ours-bf16-fullgraph"} <= set(cmds)
+
+    def result(variant: str, tps: float) -> bm.Result:
+        return bm.Result("dense-1b", variant, 1e3 / tps, tps, 1.0, "", 0, "")
+
+    rows = bm.table([result("megatron-bf16", 100.0), result("megatron-bf16-fullgraph", 125.0),
+                     result("ours-tensorwise-fullgraph", 150.0)]).splitlines()
+    by_name = {row.split()[1]: row for row in rows[1:]}
+    assert by_name["ours-tensorwise-fullgraph"].split()[4] == "1.200x"
+    assert by_name["ours-tensorwise-fullgraph"].endswith("1.500x megatron-bf16")
+    assert by_name["megatron-bf16-fullgraph"].split()[4] == "1.000x"
