@@ -341,3 +341,41 @@ def test_block_spec_converts_the_final_norm_and_every_layer(monkeypatch: pytest.
         assert attn.module is MLASelfAttention and attn.submodules.core_attention is SDPAttention
         assert attn.submodules.linear_kv_down_proj is ColumnParallelLinear and attn.submodules.q_layernorm is Norm
         assert ("experts" in vars(_submodules(layer.submodules.mlp))) is moe
+
+
+@pytest.mark.parametrize(("impl", "scope", "refused"), [("local", None, True), ("local", ["full_iteration"], False),
+                                                        ("full_iteration", None, False), ("none", None, False)])
+def test_per_layer_megatron_graphs_with_fp8_are_refused_naming_the_fix(impl: str, scope: Any, refused: bool) -> None:
+    """megatron-core's per-layer CUDA graphs keep FP8 state in Transformer Engine; without it the
+    plug-in's config check refuses them and names the whole-iteration graph; that graph (both
+    spellings) and no graph pass."""
+    from megatron_fp8.megatron.compat import _post_init_without_te, have_te
+
+    if have_te():
+        pytest.skip("Transformer Engine is installed: megatron-core's own FP8 graph state applies")
+    ran = []
+    checked = _post_init_without_te(lambda cfg: ran.append(cfg.fp8))
+    cfg = SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", cuda_graph_impl=impl, cuda_graph_scope=scope)
+    if refused:
+        with pytest.raises(ValueError, match="--cuda-graph-impl full_iteration"):
+            checked(cfg)
+    else:
+        checked(cfg)
+    assert ran == [None] and cfg.fp8 == "hybrid"  # megatron-core's checks ran with fp8 hidden, then restored
+
+
+def test_per_layer_graph_check_reads_megatron_cores_config() -> None:
+    """The check on a real ``TransformerConfig`` of the installed megatron-core."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_fp8.megatron.compat import per_layer_graphs
+
+    assert per_layer_graphs(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                              cuda_graph_impl="local"))
+    assert not per_layer_graphs(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4))
+    if "full_iteration" in str(TransformerConfig.__annotations__.get("cuda_graph_impl")):
+        whole = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, cuda_graph_impl="full_iteration")
+    else:  # megatron-core <= 0.16: the whole iteration is a scope of the local graphs
+        whole = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, cuda_graph_impl="local",
+                                  cuda_graph_scope=["full_iteration"])
+    assert not per_layer_graphs(whole)

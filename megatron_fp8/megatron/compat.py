@@ -20,7 +20,9 @@ megatron-core name                replaced by, and why
 __post_init__``                   checks the FP8 fields, then megatron-core's own checks run with
                                   ``fp8`` hidden: its FP8 checks are about TE (MoE FP8 needs TE
                                   >= 1.7, layernorm / moe_act recompute TE >= 2.6, delayed
-                                  scaling refuses that recompute, which ours runs exactly)
+                                  scaling refuses that recompute, which ours runs exactly);
+                                  then per-layer CUDA graphs (``cuda_graph_impl='local'``) are
+                                  refused: megatron-core keeps their FP8 state in TE
 ``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
 _get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
                                   ``--spec`` objects through uncalled)
@@ -107,9 +109,27 @@ def _post_init_without_te(post_init: Callable[[Any], None]) -> Callable[[Any], N
             post_init(self)
         finally:
             self.fp8 = fp8
+        if per_layer_graphs(self):
+            raise ValueError(
+                "megatron_fp8: cuda_graph_impl='local' with per-layer scopes and config.fp8 set needs Transformer "
+                "Engine (megatron-core's CudaGraphManager keeps FP8 state in TE's FP8GlobalStateManager). Capture "
+                "the whole iteration instead (--cuda-graph-impl full_iteration; megatron-core <= 0.16: "
+                "--cuda-graph-impl local --cuda-graph-scope full_iteration), where our layers are captured as they "
+                "run; or use our per-linear graphs (MEGATRON_FP8_GRAPHS=1) with --cuda-graph-impl none")
 
     checked._megatron_fp8 = True  # type: ignore[attr-defined]
     return checked
+
+
+def per_layer_graphs(config: Any) -> bool:
+    """Whether ``config`` asks for megatron-core's per-layer CUDA graphs (``CudaGraphManager``):
+    ``cuda_graph_impl='local'`` without the whole-iteration scope (megatron-core <= 0.16 spells
+    the whole iteration as that scope; later versions as ``cuda_graph_impl='full_iteration'``)."""
+    if getattr(config, "cuda_graph_impl", "none") != "local":
+        return False
+    scopes = getattr(config, "cuda_graph_scope", None) or []
+    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
+    return not any(str(getattr(s, "name", s)) == "full_iteration" for s in scopes)
 
 
 def _block_submodules(original: Callable[..., Any], resolve: Callable[..., Any]) -> Callable[..., Any]:
