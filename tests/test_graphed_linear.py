@@ -134,3 +134,32 @@ def test_out_of_memory_inside_a_capture_is_raised_not_retried(monkeypatch: pytes
         q = layer.fp8_quantizers()
     with pytest.raises(torch.OutOfMemoryError):
         graphed._new_graph(None, torch.zeros(1), layer.weight, None, None, q, False, None, 0)  # type: ignore[arg-type]
+
+
+def test_megatron_whole_iteration_graph_runs_the_capture_settings_from_the_first_step(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under Megatron-LM's whole-iteration CUDA graph (both spellings), the plug-in's first-forward
+    hook puts the capture's settings in force for the whole run (the eager warm-up then builds
+    what the capture launches) and says so; per-linear graphs inside it are refused."""
+    import os
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    from megatron_fp8.megatron import plugin
+
+    for key in ("MEGATRON_FP8_LEAN", "MEGATRON_FP8_CUDA_CURRENT", "MEGATRON_FP8_GRAPHS"):
+        monkeypatch.delenv(key, raising=False)
+
+    def model(**graph: object) -> torch.nn.Module:
+        layer = mf.Linear(16, 16)
+        layer.config = SimpleNamespace(fp8=None, **graph)  # what Megatron's layers carry
+        return torch.nn.Sequential(layer)
+
+    plugin._hook(model(cuda_graph_impl="none"), ())
+    assert "whole-iteration" not in capsys.readouterr().out and "MEGATRON_FP8_LEAN" not in os.environ
+    plugin._hook(model(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), ())  # megatron-core 0.16
+    assert "whole-iteration CUDA graph: our layers run the capture's routes" in capsys.readouterr().out
+    assert os.environ["MEGATRON_FP8_LEAN"] == "0" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "1"
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
+    with pytest.raises(ValueError, match="capture inside its capture; unset MEGATRON_FP8_GRAPHS"):
+        plugin._hook(model(cuda_graph_impl="full_iteration"), ())

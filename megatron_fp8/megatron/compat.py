@@ -121,15 +121,25 @@ def _post_init_without_te(post_init: Callable[[Any], None]) -> Callable[[Any], N
     return checked
 
 
+def _whole_iteration_scope(config: Any) -> bool:
+    scopes = getattr(config, "cuda_graph_scope", None) or []
+    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
+    return any(str(getattr(s, "name", s)) == "full_iteration" for s in scopes)
+
+
 def per_layer_graphs(config: Any) -> bool:
     """Whether ``config`` asks for megatron-core's per-layer CUDA graphs (``CudaGraphManager``):
     ``cuda_graph_impl='local'`` without the whole-iteration scope (megatron-core <= 0.16 spells
     the whole iteration as that scope; later versions as ``cuda_graph_impl='full_iteration'``)."""
-    if getattr(config, "cuda_graph_impl", "none") != "local":
-        return False
-    scopes = getattr(config, "cuda_graph_scope", None) or []
-    scopes = scopes if isinstance(scopes, (list, tuple)) else [scopes]
-    return not any(str(getattr(s, "name", s)) == "full_iteration" for s in scopes)
+    return getattr(config, "cuda_graph_impl", "none") == "local" and not _whole_iteration_scope(config)
+
+
+def whole_iteration_graph(config: Any) -> bool:
+    """Whether ``config`` asks Megatron-LM to capture each training iteration's forward and
+    backward in one CUDA graph (``cuda_graph_impl='full_iteration'``, or ``'local'`` with the
+    ``full_iteration`` scope in megatron-core <= 0.16)."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    return impl == "full_iteration" or (impl == "local" and _whole_iteration_scope(config))
 
 
 def _block_submodules(original: Callable[..., Any], resolve: Callable[..., Any]) -> Callable[..., Any]:

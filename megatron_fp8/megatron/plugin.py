@@ -21,6 +21,12 @@ Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing t
   Rank 0 prints, at that first forward, the FP8 recipe, every module whose
   ``save_original_input`` is on (from the YAML, or set by Megatron for its recompute), and the
   recompute modules.
+* Megatron-LM's whole-iteration CUDA graph (``--cuda-graph-impl full_iteration``; megatron-core
+  <= 0.16: ``--cuda-graph-impl local --cuda-graph-scope full_iteration``) captures our layers as
+  they run: the first forward puts the capture's settings in force for the run
+  (``graphed.run_as_captured``), so the eager warm-up iterations build what the capture launches.
+  megatron-core's per-layer graphs (``--cuda-graph-impl local`` with other scopes) need TE's FP8
+  state and are refused at config time (``compat.py``).
 
 MoE with ``--fp8-format`` and no Transformer Engine: megatron-core's ``TransformerConfig`` refuses
 that combination before Megatron-LM imports the spec, so start the script through
@@ -43,8 +49,8 @@ from torch import nn
 from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from ..ops.graphed import ENV as GRAPHS_ENV
-from ..ops.graphed import graphs_on
-from .compat import patch_megatron
+from ..ops.graphed import graphs_on, run_as_captured
+from .compat import patch_megatron, whole_iteration_graph
 from .fp8 import recipe_from_megatron
 from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
 
@@ -133,7 +139,8 @@ class _FirstForward:
         self.done.add(root)
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
         config = getattr(ours[0], "config", None)
-        _print0(_summary(root, plan, config))
+        notes = _whole_iteration_graph(config) if config is not None and whole_iteration_graph(config) else []
+        _print0("\n".join([_summary(root, plan, config), *notes]))
         _warn_high_precision_linears(root, config)
         _check_flag_costs(module, root)
         if _pipeline_chunks() == 1 and self.handle is not None:
@@ -142,6 +149,20 @@ class _FirstForward:
 
 
 _hook = _FirstForward()
+
+
+def _whole_iteration_graph(config: Any) -> list[str]:
+    """Megatron-LM captures whole iterations after eager warm-up steps: our layers run the
+    capture's settings from the first step (``graphed.run_as_captured``), so the warm-up builds
+    what the capture launches. Per-linear graphs would be captures inside its capture: refused."""
+    if graphs_on():
+        raise ValueError(f"megatron_fp8: {GRAPHS_ENV}=1 (per-linear CUDA graphs) with Megatron-LM's whole-iteration "
+                         f"CUDA graph (cuda_graph_impl={config.cuda_graph_impl!r}) would capture inside its capture; "
+                         f"unset {GRAPHS_ENV}: the whole-iteration graph captures our layers as they run")
+    settings = run_as_captured()
+    return [f"megatron_fp8: Megatron-LM's whole-iteration CUDA graph: our layers run the capture's routes from the "
+            f"first step ({', '.join(f'{k}={v}' for k, v in settings.items())}), so its warm-up builds what it "
+            f"captures"]
 
 
 def high_precision_linears(root: nn.Module) -> list[str]:

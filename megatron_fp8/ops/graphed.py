@@ -234,14 +234,28 @@ _capturing: list[bool] = []  # a capture (or its warm-up) of ours is under way: 
 _CAPTURE_SETTINGS = {"MEGATRON_FP8_LEAN": "0", "MEGATRON_FP8_CUDA_CURRENT": "1"}
 
 
+def capture_settings() -> dict[str, str]:
+    """The settings a capture runs under (``_CAPTURE_SETTINGS``), less one the user pinned
+    (``MEGATRON_FP8_CUDA_CURRENT=0``)."""
+    pinned = os.environ.get("MEGATRON_FP8_CUDA_CURRENT") not in (None, "capture")
+    return {k: v for k, v in _CAPTURE_SETTINGS.items() if not (pinned and k == "MEGATRON_FP8_CUDA_CURRENT")}
+
+
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
-    """The settings a capture runs under (``_CAPTURE_SETTINGS``), for the warm-up's eager calls;
-    a setting the user pinned (``MEGATRON_FP8_CUDA_CURRENT=0``) is kept. Restored after."""
-    pinned = os.environ.get("MEGATRON_FP8_CUDA_CURRENT") not in (None, "capture")
-    with mock.patch.dict(os.environ, {k: v for k, v in _CAPTURE_SETTINGS.items()
-                                      if not (pinned and k == "MEGATRON_FP8_CUDA_CURRENT")}):
+    """``capture_settings()`` for the warm-up's eager calls; restored after."""
+    with mock.patch.dict(os.environ, capture_settings()):
         yield
+
+
+def run_as_captured() -> dict[str, str]:
+    """``capture_settings()`` for the rest of the process: for a caller that captures whole steps
+    of ours after eager warm-up steps it does not mark (Megatron-LM's whole-iteration graph), so
+    that the warm-up builds and launches the kernels the capture will (a kernel first built
+    inside a capture failed it, run AH). Returns what it set."""
+    settings = capture_settings()
+    os.environ.update(settings)
+    return settings
 
 
 def _recover_rng() -> bool:
