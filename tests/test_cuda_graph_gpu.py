@@ -194,3 +194,53 @@ def test_graphs_replay_after_later_captures(recipe: str, path: str, monkeypatch:
             want = _stepper(_module(kind, False), kind, PRESETS[recipe], x_new.clone().requires_grad_(), dy_new)()
             for j, (got, ref) in enumerate(zip(outs, want, strict=True)):
                 assert torch.equal(got, ref), f"graph {i} ({kind}, {recipe}, {path}), data {seed}: output {j} differs"
+
+
+@pytest.mark.parametrize("flag", [False, True], ids=["flag-off", "flag-on"])
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_microbatches_replay_after_weight_updates(recipe: str, flag: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-LM's whole-iteration graph: a step of two micro-batches (the first casts the
+    weight, the second reuses that cast: ``is_first_microbatch``), eager warm-up steps under the
+    capture's settings for the whole run (what the plug-in sets, ``graphed.run_as_captured``), a
+    capture, then the weight updated in place between replays (the optimizer runs outside the
+    graph). Every replay equals an eager step of an identical layer, bit for bit: the captured
+    cast reads the updated weight and the second micro-batch's reuse follows it."""
+    from megatron_fp8.ops import graphed
+
+    for key, value in graphed.capture_settings().items():
+        monkeypatch.setenv(key, value)
+    layers = [_module("linear", flag), _module("linear", flag)]  # graphed, eager: same seed, same weights
+    xs = [torch.empty(M, K, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_() for _ in range(2)]
+    dys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16).normal_() for _ in range(2)]
+
+    def step(layer: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        layer.is_first_microbatch = True  # Megatron's set_is_first_microbatch() at a step's start
+        outs = []
+        with mf.fp8_autocast(fp8_recipe=PRESETS[recipe]):
+            for x, dy in zip(inputs, dys):
+                y = layer(x)
+                y.backward(dy)
+                outs.append(y)
+        return [*outs, *(x.grad for x in inputs), *(p.grad for p in layer.parameters())]
+
+    graphed_layer, eager = layers
+    for _ in range(2):  # Megatron's eager warm-up iterations, on the current stream
+        step(graphed_layer, xs)
+    for t in [*xs, *graphed_layer.parameters()]:
+        t.grad = None  # the capture's first micro-batch makes the grads; its second adds to them
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(graphed_layer, xs)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(3):
+        with torch.no_grad():  # the optimizer's in-place update, the same on both layers
+            delta = 1e-2 * torch.randn(N, K, device="cuda", generator=g)
+            for layer in layers:
+                layer.weight.add_(delta.to(layer.weight.dtype))
+        graph.replay()
+        for t in [*xs, *eager.parameters()]:
+            t.grad = None
+        want = step(eager, [x.detach().clone().requires_grad_() for x in xs])
+        for i, (got, ref) in enumerate(zip(outs, want, strict=True)):
+            assert torch.equal(got, ref), f"{recipe} flag={flag}: output {i} differs after a weight update"
