@@ -97,3 +97,40 @@ def test_no_prepared_launch_under_the_interpreter(fake_cuda: None, monkeypatch: 
     launcher, fn = _launcher()
     assert launcher.prepare((1,), 2, torch.empty(4), torch.empty(4), 4, 4, BLOCK=128, MODE=1) is None
     assert fn.plain_launches == 1  # it still launched
+
+
+def test_a_hook_launches_through_triton_once(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a launch hook registered, a kept kernel launches through Triton's own path, once: a
+    hook raising TypeError after the launch propagates instead of being taken for an API mismatch
+    and launching again (an accumulating kernel would add twice)."""
+    launcher, fn = _launcher()
+    x, y = torch.empty(64), torch.empty(64)
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)  # compiles and keeps
+    monkeypatch.setattr(triton.knobs, "runtime", SimpleNamespace(launch_enter_hook=lambda *a: None,
+                                                                 launch_exit_hook=None))
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    assert fn.plain_launches == 2 and not fn.run.calls and not fn.run.wrapped and launcher.fast
+
+    def hook_fails(*args: Any, **kwargs: Any) -> Any:
+        fn.plain_launches += 1  # the launch happened; the hook after it fails
+        raise TypeError("a profiler hook's own error")
+    monkeypatch.setattr(_Fn, "__getitem__", lambda self, grid: hook_fails)
+    with pytest.raises(TypeError, match="profiler hook"):
+        launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    assert fn.plain_launches == 3 and launcher.fast
+
+
+def test_an_api_mismatch_falls_back_before_anything_ran(fake_cuda: None) -> None:
+    """A compiled launch function that rejects its arguments (another Triton's API) ran nothing:
+    the launcher launches plainly once, and from then on always plainly."""
+    launcher, fn = _launcher()
+    x, y = torch.empty(64), torch.empty(64)
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+
+    def rejects(*args: Any) -> None:
+        raise TypeError("function takes exactly 20 arguments")
+    launcher.kernels = {k: v._replace(direct=rejects) for k, v in launcher.kernels.items()}
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    assert fn.plain_launches == 2 and not launcher.fast
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    assert fn.plain_launches == 3 and not fn.run.calls
