@@ -31,10 +31,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -225,6 +227,42 @@ def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, A
             "annotations": trace_step.step_annotations(events)}
 
 
+def _pyspy_path(args: argparse.Namespace, config: str, v: Variant) -> str:
+    return os.path.join(os.path.abspath(args.out), f"pyspy_{config}_{v.name}.txt")
+
+
+def run_sampled(cmd: list[str], env: dict[str, str], args: argparse.Namespace, path: str) -> tuple[str, int]:
+    """Run ``cmd`` as ``subprocess.run`` would (output and return code; ``TIMEOUT`` after
+    ``args.timeout``), and once Megatron logs the first iteration past the warm-up, sample it
+    and its children with py-spy (wall time: idle threads too, ``--nonblocking``) until it exits,
+    raw stacks to ``path``."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(args.timeout, proc.kill)
+    timer.start()
+    lines, spy = [], None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        m = _ITER.search(line)
+        if spy is None and m and int(m.group(1)) >= WARMUP_ITERS:
+            spy = subprocess.Popen([args.pyspy_bin, "record", "--pid", str(proc.pid), "--subprocesses", "--idle",
+                                    "--threads", "--nonblocking", "--rate", f"{args.pyspy:g}", "--format", "raw",
+                                    "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rc = proc.wait()
+    timed_out = not timer.is_alive()
+    timer.cancel()
+    if spy is not None:
+        try:
+            _, err = spy.communicate(timeout=60)
+            if spy.returncode:
+                lines.append(f"py-spy failed (rc={spy.returncode}): {err.strip()[-500:]}\n")
+        except subprocess.TimeoutExpired:
+            spy.kill()
+    elif args.pyspy:
+        lines.append(f"py-spy: never started (no iteration past {WARMUP_ITERS} logged)\n")
+    return "".join(lines) + ("\nTIMEOUT" if timed_out else ""), -1 if timed_out else rc
+
+
 def _text(b: bytes | str | None) -> str:
     return "" if b is None else b.decode(errors="replace") if isinstance(b, bytes) else b
 
@@ -340,6 +378,10 @@ def main() -> int:
                     help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
                          "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
+    ap.add_argument("--pyspy", type=float, default=0, metavar="HZ",
+                    help="sample each run with py-spy at this rate once the warm-up is over, and print where its "
+                         "wall time goes per thread (pyspy_summary.py); the samples go to pyspy_<config>_<variant>.txt")
+    ap.add_argument("--pyspy-bin", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--fusions", choices=("off", "megatron"), default="off",
                     help="off: Megatron's SwiGLU and bias-dropout-add fusions off too (runs AC-AE); megatron: "
@@ -370,11 +412,14 @@ def main() -> int:
         for v in chosen:
             cmd, env = _command(args, config, v, rules["moe" if config == "moe" else "dense"])
             t0 = time.time()
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                out, rc = p.stdout + p.stderr, p.returncode
-            except subprocess.TimeoutExpired as e:
-                out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
+            if args.pyspy:
+                out, rc = run_sampled(cmd, env, args, _pyspy_path(args, config, v))
+            else:
+                try:
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                    out, rc = p.stdout + p.stderr, p.returncode
+                except subprocess.TimeoutExpired as e:
+                    out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
             r = parse(config, v, out, rc, args.seq * args.mbs * args.micro)
             if args.profile:
                 profiles[f"{config} {v.name}"] = profile_of(args, config, v) or {}
@@ -385,6 +430,12 @@ def main() -> int:
                 print(r.tail, flush=True)
             log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
             log.flush()
+            if args.pyspy and os.path.isfile(_pyspy_path(args, config, v)):
+                import pyspy_summary  # scripts/
+
+                print(f"\n## {config} {v.name}: where the process's wall time goes after the warm-up "
+                      f"(py-spy, {args.pyspy:g} Hz)\n")
+                print(pyspy_summary.summarize(_pyspy_path(args, config, v), args.pyspy), flush=True)
     if profiles:
         found = {k: p for k, p in profiles.items() if p}
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")

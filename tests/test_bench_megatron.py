@@ -264,3 +264,62 @@ def test_fullgraph_variants_run_megatrons_whole_iteration_graph(tmp_path: Path) 
     assert by_name["ours-tensorwise-fullgraph"].split()[4] == "1.200x"
     assert by_name["ours-tensorwise-fullgraph"].endswith("1.500x megatron-bf16")
     assert by_name["megatron-bf16-fullgraph"].split()[4] == "1.000x"
+
+
+def test_run_sampled_attaches_py_spy_after_the_warm_up(tmp_path: Path) -> None:
+    """``--pyspy``: the run's output and return code as without it, and py-spy started on the
+    process only once Megatron has logged iteration 10 (a stand-in py-spy records its arguments)."""
+    spy = tmp_path / "py-spy"
+    seen = tmp_path / "spy_args"
+    spy.write_text(f"#!/bin/sh\necho \"$@\" > {seen}\n")
+    spy.chmod(0o755)
+    run = tmp_path / "run.py"
+    run.write_text("import sys, time\n"
+                   "for i in (1, 5, 10, 15):\n"
+                   "    print(f' iteration {i:8d}/ 15 | elapsed time per iteration (ms): 9.0 |', flush=True)\n"
+                   "    if i == 5:\n"
+                   f"        assert not __import__('os').path.exists({str(seen)!r})  # not before the warm-up\n"
+                   "    time.sleep(0.3)\n"
+                   "sys.exit(3)\n")
+    args = bm.argparse.Namespace(timeout=30, pyspy=50.0, pyspy_bin=str(spy))
+    out, rc = bm.run_sampled([sys.executable, str(run)], dict(os.environ), args, str(tmp_path / "samples.txt"))
+    assert rc == 3 and out.count("elapsed time per iteration") == 4 and "AssertionError" not in out
+    argv = seen.read_text().split()
+    assert argv[:2] == ["record", "--pid"] and "--subprocesses" in argv and "--idle" in argv
+    assert argv[argv.index("--rate") + 1] == "50" and argv[-1] == str(tmp_path / "samples.txt")
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\ntime.sleep(30)\n")
+    out, rc = bm.run_sampled([sys.executable, str(slow)], dict(os.environ), bm.argparse.Namespace(
+        timeout=1, pyspy=50.0, pyspy_bin=str(spy)), str(tmp_path / "s2.txt"))
+    assert rc == -1 and out.endswith("TIMEOUT") and "never started" in out
+
+
+def test_pyspy_summary_splits_wall_time_by_phase() -> None:
+    import pyspy_summary
+
+    worker = 'process 11:"python -m torch.distributed.run pretrain_gpt.py";process 12:"python -u pretrain_gpt.py ' \
+             '--fp8-format hybrid"'  # py-spy names a child's parents first
+    loop = "pretrain (megatron/training/training.py:1);train (megatron/training/training.py:2);" \
+           "train_step (megatron/training/training.py:3)"
+    raw = "\n".join([
+        'process 11:"python -m torch.distributed.run pretrain_gpt.py";thread (11): MainThread;run (torch/x.py:1) 500',
+        f"{worker};thread (12): MainThread;{loop};forward_backward_no_pipelining (s.py:4);"
+        "forward_step (s.py:5);forward (megatron_fp8/modules/linear.py:9) 30",
+        f"{worker};thread (12): MainThread;{loop};forward_backward_no_pipelining (s.py:4);forward_step (s.py:5);"
+        "forward (megatron/core/transformer/attention.py:7) 10",
+        f"{worker};thread (12): MainThread;{loop};forward_backward_no_pipelining (s.py:4);backward_step (s.py:6);"
+        "backward (torch/autograd/__init__.py:8) 40",
+        f"{worker};thread (12): MainThread;{loop};step (megatron/core/optimizer/optimizer.py:9) 15",
+        f"{worker};thread (12): MainThread;{loop};training_log (megatron/training/training.py:10) 5",
+        f"{worker};thread (12): MainThread;main (pretrain_gpt.py:1) 0",
+        f"{worker};thread (13);backward (megatron_fp8/ops/lean.py:3) 25",
+    ])
+    procs = pyspy_summary.parse(raw)
+    assert pyspy_summary.training_process(procs) == "python -u pretrain_gpt.py --fp8-format hybrid"
+    main = procs["python -u pretrain_gpt.py --fp8-format hybrid"]["MainThread"]
+    assert main.total == 100 and main.phases["forward"] == 40 and main.ours["forward"] == 30
+    assert main.phases["backward"] == 40 and main.phases["optimizer"] == 15 and main.phases["train_step, other"] == 5
+    assert main.tops["backward (torch/autograd/__init__.py:8)"] == 40
+    text = pyspy_summary.table(procs["python -u pretrain_gpt.py --fp8-format hybrid"], rate=100)
+    assert "| forward | 40.0% | 30.0% |" in text and "MainThread: 100 samples, 1.0 s sampled" in text
+    assert "thread 13: 25 samples" in text and "| outside train_step | 100.0% | 100.0% |" in text
