@@ -152,6 +152,7 @@ class Result:
     tail: str
     forwards: str = ""  # FP8 layer forwards by path (lean / general), as --count-gemms prints them
     intervals: tuple[float, ...] = ()  # the steady log intervals the median is taken over (ms/iter)
+    loss: float | None = None  # the last logged lm loss: variants of one config train the same model on the same data
 
 
 DRIFT = 0.10  # intervals whose first and last differ by more than this share of their median: not steady
@@ -270,6 +271,7 @@ def _text(b: bytes | str | None) -> str:
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 WARMUP_ITERS = 10  # intervals ending here or before are warm-up (compiles, allocator, router, clocks)
 _MEM = re.compile(r"max allocated: ([\d.]+)")
+_LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
 _FORWARDS = re.compile(r"megatron_fp8 \[rank 0\]: \d+ FP8 layer forwards \(([^)]*)\)")
 
@@ -283,8 +285,10 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
     mem = [float(m) for m in _MEM.findall(out)]
     gemms, forwards = _GEMMS.findall(out), _FORWARDS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
+    losses = _LOSS.findall(out)
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
-                  gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady))
+                  gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady),
+                  float(losses[-1]) if losses else None)
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)\n\$ (.*)$", re.M)
@@ -331,6 +335,8 @@ def table(results: list[Result]) -> str:
             notes.append(f"{r.tokens_per_s / eager:.3f}x {BASELINES[0]}")
         if r.forwards:
             notes.append(f"forwards: {r.forwards}")
+        if r.loss is not None:
+            notes.append(f"last lm loss {r.loss:.4f}")
         d = drift(r.intervals)
         if d is not None:
             notes.append(f"NOT STEADY, intervals {' / '.join(f'{t:.0f}' for t in r.intervals)} ms ({d:+.0%} first "

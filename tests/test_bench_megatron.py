@@ -31,6 +31,9 @@ def test_parse_takes_the_steady_intervals_and_peak_memory() -> None:
     assert bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), longer, 0, 1).ms == 235.0
     assert r.tokens_per_s == 4 * 4096 / 0.25
     assert r.max_alloc_mib == 18150.5 and r.gemms.startswith("3840 FP8 GEMMs") and r.forwards == ""
+    assert r.loss == 9.0 and "last lm loss 9.0000" in bm.table([r])
+    logged = out.replace("lm loss: 9.0", "lm loss: 1.034E+01")  # Megatron's own format
+    assert bm.parse("dense-8b", bm.Variant("x", True), logged, 0, 1).loss == 10.34
     counted = out + "\nmegatron_fp8 [rank 0]: 1280 FP8 layer forwards (general linear 2, lean linear 1278)"
     r = bm.parse("dense-8b", bm.Variant("ours-blockwise", True, "blockwise"), counted, 0, 4 * 4096)
     assert r.forwards == "general linear 2, lean linear 1278"
