@@ -386,7 +386,7 @@ def main() -> int:
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
     ap.add_argument("--pyspy", type=float, default=0, metavar="HZ",
                     help="sample each run with py-spy at this rate once the warm-up is over, and print where its "
-                         "wall time goes per thread (pyspy_summary.py); the samples go to pyspy_<config>_<variant>.txt")
+                         "wall time goes per thread (trace_step.py --pyspy); samples in pyspy_<config>_<variant>.txt")
     ap.add_argument("--pyspy-bin", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--fusions", choices=("off", "megatron"), default="off",
@@ -437,11 +437,11 @@ def main() -> int:
             log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
             log.flush()
             if args.pyspy and os.path.isfile(_pyspy_path(args, config, v)):
-                import pyspy_summary  # scripts/
+                import trace_step  # scripts/
 
                 print(f"\n## {config} {v.name}: where the process's wall time goes after the warm-up "
                       f"(py-spy, {args.pyspy:g} Hz)\n")
-                print(pyspy_summary.summarize(_pyspy_path(args, config, v), args.pyspy), flush=True)
+                print(trace_step.pyspy_summarize(_pyspy_path(args, config, v), args.pyspy), flush=True)
     if profiles:
         found = {k: p for k, p in profiles.items() if p}
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")

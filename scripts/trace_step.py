@@ -17,6 +17,14 @@ step's wall time, the GPU's busy and idle time in it (idle: the GPU waits on the
 time per kind of kernel (GEMMs, our FP8 casts and scale kernels, attention, the rest) and the
 host time inside our layers' autograd functions: "how much of the gap is host, casts or GEMMs".
 The profiler's own host overhead lengthens host-bound steps; kernel durations are the device's.
+
+``--pyspy SAMPLES...`` (no GPU needed) says where a training process's wall time went from
+py-spy's raw samples (``py-spy record --format raw --idle --threads``; ``bench_megatron.py
+--pyspy`` writes them after the warm-up): per thread, the share of samples in each phase of
+Megatron-LM's iteration (forward, backward, optimizer, gradient finalisation, the rest of
+``train_step``, outside it), the share with one of our frames on the stack, and the Python lines
+most often on top (a line that waits on the GPU shows up there). Idle samples are kept, so the
+shares are of wall time, with no profiler inside the process.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import gzip
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -235,12 +245,117 @@ def table(rows: dict[str, dict[str, float]]) -> str:
                           [[name, *(round(s[c], 1) for c in COLUMNS)] for name, s in rows.items()])
 
 
+# the first of these (in this order) with a frame on the stack names the phase (Megatron-LM's schedule and loop)
+PYSPY_PHASES: list[tuple[str, str]] = [
+    ("forward_step (", "forward"),
+    ("backward_step (", "backward"),
+    ("megatron/core/optimizer/", "optimizer"),
+    ("finalize_model_grads", "grad finalize"),
+    ("train_step (", "train_step, other"),
+]
+PYSPY_OUTSIDE = "outside train_step"
+PYSPY_OURS = "megatron_fp8/"
+_LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+_PROCESS = re.compile(r'^process (?P<pid>\d+):"(?P<cmd>[^"]*)"$')
+_THREAD = re.compile(r"^thread \((?P<tid>\d+)\)(?::\s*(?P<name>.*))?$")
+
+
+@dataclass
+class ThreadSamples:
+    """One thread's samples: by phase, with one of our frames on the stack, and by top line."""
+
+    name: str
+    total: int = 0
+    phases: Counter[str] = field(default_factory=Counter)
+    ours: Counter[str] = field(default_factory=Counter)
+    tops: Counter[str] = field(default_factory=Counter)
+
+
+def pyspy_phase(frames: list[str]) -> str:
+    """The first phase in ``PYSPY_PHASES`` order with a frame on the stack (forward before train_step)."""
+    stack = ";".join(frames)
+    return next((phase for needle, phase in PYSPY_PHASES if needle in stack), PYSPY_OUTSIDE)
+
+
+def pyspy_parse(text: str) -> dict[str, dict[str, ThreadSamples]]:
+    """``{process command: {thread: ThreadSamples}}`` from py-spy's raw (collapsed-stack) output."""
+    procs: dict[str, dict[str, ThreadSamples]] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        parts = m.group("stack").split(";")
+        count = int(m.group("count"))
+        proc = "process"
+        while parts and (p := _PROCESS.match(parts[0])):  # a child's samples name its parents first
+            proc, parts = p.group("cmd"), parts[1:]
+        t = _THREAD.match(parts[0]) if parts else None
+        if not t:
+            continue
+        frames = parts[1:]
+        threads = procs.setdefault(proc, {})
+        key = t.group("name") or f"thread {t.group('tid')}"
+        s = threads.setdefault(key, ThreadSamples(key))
+        phase = pyspy_phase(frames)
+        s.total += count
+        s.phases[phase] += count
+        if any(PYSPY_OURS in f for f in frames):
+            s.ours[phase] += count
+        if frames:
+            s.tops[frames[-1]] += count
+    return procs
+
+
+def pyspy_process(procs: dict[str, dict[str, ThreadSamples]]) -> str | None:
+    """The process with the most samples inside ``train_step`` (torchrun's agent and torch.compile's
+    workers have none)."""
+    def inside(cmd: str) -> int:
+        return sum(s.total - s.phases[PYSPY_OUTSIDE] for s in procs[cmd].values())
+    best = max(procs, key=inside, default=None)
+    return best if best is not None and inside(best) else None
+
+
+def pyspy_table(threads: dict[str, ThreadSamples], rate: float | None = None, top: int = 12) -> str:
+    """The busiest threads' phases (share of each thread's samples; with ``rate``, seconds too)
+    and their most frequent top lines."""
+    rows = []
+    busiest = sorted(threads.values(), key=lambda s: -s.total)[:3]
+    for s in busiest:
+        secs = f", {s.total / rate:.1f} s sampled" if rate else ""
+        rows.append(f"\n{s.name}: {s.total} samples{secs}\n")
+        rows.append("| phase | share | with our frames |\n|---|---|---|")
+        for phase in [p for _, p in PYSPY_PHASES] + [PYSPY_OUTSIDE]:
+            n = s.phases[phase]
+            if n:
+                rows.append(f"| {phase} | {n / s.total:.1%} | {s.ours[phase] / s.total:.1%} |")
+        rows.append(f"\nmost frequent top lines ({s.name}):\n")
+        rows.append("| share | line |\n|---|---|")
+        for frame, n in s.tops.most_common(top):
+            rows.append(f"| {n / s.total:.1%} | `{frame}` |")
+    return "\n".join(rows)
+
+
+def pyspy_summarize(path: str, rate: float | None = None) -> str:
+    with open(path) as f:
+        procs = pyspy_parse(f.read())
+    proc = pyspy_process(procs)
+    if proc is None:
+        return f"{path}: no samples inside Megatron-LM's train_step"
+    return f"{path} ({proc[:100]})\n{pyspy_table(procs[proc], rate)}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--summarize", nargs="+", metavar="TRACE", help="summarize these traces instead (no GPU)")
+    p.add_argument("--pyspy", nargs="+", metavar="SAMPLES", help="summarize py-spy raw samples instead (no GPU)")
+    p.add_argument("--rate", type=float, default=None, help="with --pyspy: py-spy's rate (Hz), for seconds too")
     args = p.parse_args()
+    if args.pyspy:
+        for path in args.pyspy:
+            print(pyspy_summarize(path, args.rate))
+        return
     if args.summarize:
         print(table({path: summarize(load(path)) for path in args.summarize}))
         return
