@@ -52,6 +52,9 @@ CONFIGS: dict[str, list[str]] = {
             "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
             "--moe-aux-loss-coeff", "1e-2"],
 }
+# the moe config with drop-and-pad routing (every expert gets capacity = tokens * topk / experts tokens;
+# tokens over it are dropped): static shapes, so MoE runs under the whole-iteration graph too
+CONFIGS["moe-capacity"] = CONFIGS["moe"] + ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
           "--untie-embeddings-and-output-weights", "--bf16", "--transformer-impl", "local", "--mock-data",
           "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--eval-iters", "0", "--eval-interval",
@@ -416,7 +419,7 @@ def main() -> int:
     log = open(os.path.join(args.out, "bench_megatron.log"), "w")
     for config in args.configs.split(","):
         for v in chosen:
-            cmd, env = _command(args, config, v, rules["moe" if config == "moe" else "dense"])
+            cmd, env = _command(args, config, v, rules["moe" if config.startswith("moe") else "dense"])
             t0 = time.time()
             if args.pyspy:
                 out, rc = run_sampled(cmd, env, args, _pyspy_path(args, config, v))

@@ -257,6 +257,11 @@ def test_fullgraph_variants_run_megatrons_whole_iteration_graph(tmp_path: Path) 
             assert "--no-check-for-nan-in-loss-and-grad" in cmd
     assert cmds["megatron-bf16-fullgraph"][cmds["megatron-bf16-fullgraph"].index("--spec") + 2] == "baseline_spec"
     assert {"ours-tensorwise-fullgraph", "ours-blockwise-fullgraph", "ours-bf16-fullgraph"} <= set(cmds)
+    moe = bm._command(args, "moe-capacity", bm.Variant("ours-tensorwise-fullgraph", True, "tensorwise",
+                                                       full_graph=True), "")[0]
+    assert "--num-experts" in moe and "--moe-pad-expert-input-to-capacity" in moe
+    assert moe[moe.index("--moe-expert-capacity-factor") + 1] == "1.0"  # MoE with static shapes, graphable
+    assert "--moe-pad-expert-input-to-capacity" not in bm._command(args, "moe", bm.Variant("ours-bf16", True), "")[0]
 
     def result(variant: str, tps: float) -> bm.Result:
         return bm.Result("dense-1b", variant, 1e3 / tps, tps, 1.0, "", 0, "")

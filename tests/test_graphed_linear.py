@@ -140,7 +140,8 @@ def test_megatron_whole_iteration_graph_runs_the_capture_settings_from_the_first
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Under Megatron-LM's whole-iteration CUDA graph (both spellings), the plug-in's first-forward
     hook puts the capture's settings in force for the whole run (the eager warm-up then builds
-    what the capture launches) and says so; per-linear graphs inside it are refused."""
+    what the capture launches) and says so; per-linear graphs inside it are refused, and so is
+    dropless MoE (megatron-core syncs its token counts to the host), naming drop-and-pad."""
     import os
     from types import SimpleNamespace
 
@@ -160,6 +161,10 @@ def test_megatron_whole_iteration_graph_runs_the_capture_settings_from_the_first
     plugin._hook(model(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), ())  # megatron-core 0.16
     assert "whole-iteration CUDA graph: our layers run the capture's routes" in capsys.readouterr().out
     assert os.environ["MEGATRON_FP8_LEAN"] == "0" and os.environ["MEGATRON_FP8_CUDA_CURRENT"] == "1"
+    with pytest.raises(ValueError, match="dropless MoE .16 experts.*--moe-pad-expert-input-to-capacity"):
+        plugin._hook(model(cuda_graph_impl="full_iteration", num_moe_experts=16), ())
+    plugin._hook(model(cuda_graph_impl="full_iteration", num_moe_experts=16, moe_pad_expert_input_to_capacity=True), ())
+    assert "whole-iteration CUDA graph: our layers run the capture's routes" in capsys.readouterr().out
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
     with pytest.raises(ValueError, match="capture inside its capture; unset MEGATRON_FP8_GRAPHS"):
         plugin._hook(model(cuda_graph_impl="full_iteration"), ())
