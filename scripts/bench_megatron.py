@@ -185,6 +185,8 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
     if v.full_graph:
         cmd += FULL_GRAPH
+    elif getattr(args, "no_nan_check", False):  # as the whole-iteration graph needs: eager runs on equal terms
+        cmd += ["--no-check-for-nan-in-loss-and-grad"]
     if v.recipe is not None:
         cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
@@ -387,6 +389,9 @@ def main() -> int:
                     help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
                          "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
+    ap.add_argument("--no-nan-check", action="store_true",
+                    help="every run with --no-check-for-nan-in-loss-and-grad, as the -fullgraph variants need "
+                         "(Megatron's check reads the loss on the host each micro-batch)")
     ap.add_argument("--pyspy", type=float, default=0, metavar="HZ",
                     help="sample each run with py-spy at this rate once the warm-up is over, and print where its "
                          "wall time goes per thread (trace_step.py --pyspy); samples in pyspy_<config>_<variant>.txt")

@@ -257,6 +257,12 @@ def test_fullgraph_variants_run_megatrons_whole_iteration_graph(tmp_path: Path) 
             assert "--no-check-for-nan-in-loss-and-grad" in cmd
     assert cmds["megatron-bf16-fullgraph"][cmds["megatron-bf16-fullgraph"].index("--spec") + 2] == "baseline_spec"
     assert {"ours-tensorwise-fullgraph", "ours-blockwise-fullgraph", "ours-bf16-fullgraph"} <= set(cmds)
+    assert "--no-check-for-nan-in-loss-and-grad" not in cmds["ours-tensorwise"]
+    args.no_nan_check = True  # eager runs on the graph's terms
+    eager = bm._command(args, "dense-1b", bm.Variant("ours-tensorwise", True, "tensorwise"), "")[0]
+    graphed = bm._command(args, "dense-1b", bm.Variant("megatron-bf16-fullgraph", False, full_graph=True), "")[0]
+    off = "--no-check-for-nan-in-loss-and-grad"
+    assert eager.count(off) == graphed.count(off) == 1
     moe = bm._command(args, "moe-capacity", bm.Variant("ours-tensorwise-fullgraph", True, "tensorwise",
                                                        full_graph=True), "")[0]
     assert "--num-experts" in moe and "--moe-pad-expert-input-to-capacity" in moe
