@@ -162,11 +162,10 @@ def _whole_iteration_graph(config: Any) -> list[str]:
     if getattr(config, "num_moe_experts", None) and not getattr(config, "moe_pad_expert_input_to_capacity", False):
         raise ValueError(f"megatron_fp8: Megatron-LM's whole-iteration CUDA graph (cuda_graph_impl="
                          f"{config.cuda_graph_impl!r}) with dropless MoE ({config.num_moe_experts} experts): "
-                         f"megatron-core copies each step's tokens per expert to the host, which a capture cannot "
-                         f"do. Add "
-                         f"--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity (every expert then gets "
-                         f"a fixed number of tokens; tokens over it are dropped, which changes the model), or train "
-                         f"without the whole-iteration graph")
+                         "megatron-core copies each step's tokens per expert to the host, which a capture cannot "
+                         "do. Add --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity (every expert "
+                         "then gets a fixed number of tokens; tokens over it are dropped, which changes the model), "
+                         "or train without the whole-iteration graph")
     if graphs_on():
         raise ValueError(f"megatron_fp8: {GRAPHS_ENV}=1 (per-linear CUDA graphs) with Megatron-LM's whole-iteration "
                          f"CUDA graph (cuda_graph_impl={config.cuda_graph_impl!r}) would capture inside its capture; "
