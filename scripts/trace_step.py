@@ -278,7 +278,7 @@ def pyspy_phase(frames: list[str]) -> str:
 
 
 def pyspy_parse(text: str) -> dict[str, dict[str, ThreadSamples]]:
-    """``{process command: {thread: ThreadSamples}}`` from py-spy's raw (collapsed-stack) output."""
+    """``{"pid command": {thread: ThreadSamples}}`` from py-spy's raw (collapsed-stack) output."""
     procs: dict[str, dict[str, ThreadSamples]] = {}
     for line in text.splitlines():
         m = _LINE.match(line.strip())
@@ -288,7 +288,7 @@ def pyspy_parse(text: str) -> dict[str, dict[str, ThreadSamples]]:
         count = int(m.group("count"))
         proc = "process"
         while parts and (p := _PROCESS.match(parts[0])):  # a child's samples name its parents first
-            proc, parts = p.group("cmd"), parts[1:]
+            proc, parts = f"{p.group('pid')} {p.group('cmd')}", parts[1:]  # forked children share the command
         t = _THREAD.match(parts[0]) if parts else None
         if not t:
             continue

@@ -327,13 +327,16 @@ def test_pyspy_summary_splits_wall_time_by_phase() -> None:
         f"{worker};thread (12): MainThread;{loop};training_log (megatron/training/training.py:10) 5",
         f"{worker};thread (12): MainThread;main (pretrain_gpt.py:1) 0",
         f"{worker};thread (13);backward (megatron_fp8/ops/lean.py:3) 25",
+        # a forked data-loader worker: the same command, another process
+        f'{worker};process 14:"python -u pretrain_gpt.py --fp8-format hybrid";thread (14): MainThread;'
+        "collate (torch/utils/data/_utils/collate.py:1) 300",
     ])
     procs = trace_step.pyspy_parse(raw)
-    assert trace_step.pyspy_process(procs) == "python -u pretrain_gpt.py --fp8-format hybrid"
-    main = procs["python -u pretrain_gpt.py --fp8-format hybrid"]["MainThread"]
+    assert trace_step.pyspy_process(procs) == "12 python -u pretrain_gpt.py --fp8-format hybrid"
+    main = procs["12 python -u pretrain_gpt.py --fp8-format hybrid"]["MainThread"]
     assert main.total == 100 and main.phases["forward"] == 40 and main.ours["forward"] == 30
     assert main.phases["backward"] == 40 and main.phases["optimizer"] == 15 and main.phases["train_step, other"] == 5
     assert main.tops["backward (torch/autograd/__init__.py:8)"] == 40
-    text = trace_step.pyspy_table(procs["python -u pretrain_gpt.py --fp8-format hybrid"], rate=100)
+    text = trace_step.pyspy_table(procs["12 python -u pretrain_gpt.py --fp8-format hybrid"], rate=100)
     assert "| forward | 40.0% | 30.0% |" in text and "MainThread: 100 samples, 1.0 s sampled" in text
     assert "thread 13: 25 samples" in text and "| outside train_step | 100.0% | 100.0% |" in text
