@@ -255,6 +255,7 @@ PYSPY_PHASES: list[tuple[str, str]] = [
 ]
 PYSPY_OUTSIDE = "outside train_step"
 PYSPY_OURS = "megatron_fp8/"
+PYSPY_LAUNCHER = "megatron_fp8/megatron/launch.py"  # at the root of every stack our launcher starts
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _PROCESS = re.compile(r'^process (?P<pid>\d+):"(?P<cmd>[^"]*)"$')
 _THREAD = re.compile(r"^thread \((?P<tid>\d+)\)(?::\s*(?P<name>.*))?$")
@@ -299,7 +300,7 @@ def pyspy_parse(text: str) -> dict[str, dict[str, ThreadSamples]]:
         phase = pyspy_phase(frames)
         s.total += count
         s.phases[phase] += count
-        if any(PYSPY_OURS in f for f in frames):
+        if any(PYSPY_OURS in f and PYSPY_LAUNCHER not in f for f in frames):
             s.ours[phase] += count
         if frames:
             s.tops[frames[-1]] += count

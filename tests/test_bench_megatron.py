@@ -313,8 +313,9 @@ def test_pyspy_summary_splits_wall_time_by_phase() -> None:
 
     worker = 'process 11:"python -m torch.distributed.run pretrain_gpt.py";process 12:"python -u pretrain_gpt.py ' \
              '--fp8-format hybrid"'  # py-spy names a child's parents first
-    loop = "pretrain (megatron/training/training.py:1);train (megatron/training/training.py:2);" \
-           "train_step (megatron/training/training.py:3)"
+    loop = "main (megatron_fp8/megatron/launch.py:9);" \
+           "pretrain (megatron/training/training.py:1);train (megatron/training/training.py:2);" \
+           "train_step (megatron/training/training.py:3)"  # our launcher at the root: not one of our layers
     raw = "\n".join([
         'process 11:"python -m torch.distributed.run pretrain_gpt.py";thread (11): MainThread;run (torch/x.py:1) 500',
         f"{worker};thread (12): MainThread;{loop};forward_backward_no_pipelining (s.py:4);"
