@@ -134,3 +134,14 @@ def test_an_api_mismatch_falls_back_before_anything_ran(fake_cuda: None) -> None
     assert fn.plain_launches == 2 and not launcher.fast
     launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
     assert fn.plain_launches == 3 and not fn.run.calls
+
+
+def test_no_hook_api_falls_back_to_plain_launches(fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton without the launch-hook settings this launcher reads: one plain launch, and plain
+    launches from then on."""
+    launcher, fn = _launcher()
+    x, y = torch.empty(64), torch.empty(64)
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    monkeypatch.setattr(triton, "knobs", SimpleNamespace())
+    launcher((2,), x, y, 64, 128, BLOCK=128, MODE=1)
+    assert fn.plain_launches == 2 and not launcher.fast and not fn.run.calls

@@ -106,30 +106,30 @@ class Launcher:
             except AttributeError:  # another Triton's compiled-kernel API: plain launches from now on
                 self.fast = False
             return
-        hooks = triton.knobs.runtime
-        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-        if not (_no_hook(enter) and _no_hook(leave)):
-            # a launch hook (a profiler): Triton's own launch, which calls it. Not the compiled
-            # kernel's wrapper as below: a hook's TypeError after the launch would look like an
-            # API mismatch there, and the retry would run the kernel twice (an ADD kernel too)
-            self.fn[tuple(grid)](*args, **kwargs)
-            return
         g0, g1, g2 = (*grid, 1, 1)[:3]
         try:
-            if self._stream is None:
-                self._stream = triton.runtime.driver.active.get_current_stream
-            stream = self._stream(device)
-            kernel = kept.kernel
-            # both calls bind every argument before they launch: a TypeError or AttributeError
-            # here means nothing ran, so the plain launch below does not run the kernel twice
-            if kept.direct is not None:
-                kept.direct(g0, g1, g2, stream, kernel.function, kept.cooperative, kept.pdl, None, None,
-                            kernel.packed_metadata, None, None, None, *values)
-            else:  # scratch buffers: the compiled kernel's wrapper allocates them
-                kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
-                           kernel.launch_metadata(tuple(grid), stream, *values), enter, leave, *values)
+            hooks = triton.knobs.runtime
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            # a launch hook (a profiler): Triton's own launch below, which calls it. Not the
+            # compiled kernel's wrapper: a hook's TypeError after the launch would look like an
+            # API mismatch here, and the retry would run the kernel twice (an ADD kernel too)
+            plain = not (_no_hook(enter) and _no_hook(leave))
+            if not plain:
+                if self._stream is None:
+                    self._stream = triton.runtime.driver.active.get_current_stream
+                stream = self._stream(device)
+                kernel = kept.kernel
+                # both calls bind every argument before they launch: a TypeError or AttributeError
+                # here means nothing ran, so the plain launch below does not run the kernel twice
+                if kept.direct is not None:
+                    kept.direct(g0, g1, g2, stream, kernel.function, kept.cooperative, kept.pdl, None, None,
+                                kernel.packed_metadata, None, None, None, *values)
+                else:  # scratch buffers: the compiled kernel's wrapper allocates them
+                    kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata,
+                               kernel.launch_metadata(tuple(grid), stream, *values), enter, leave, *values)
         except (AttributeError, TypeError):  # another Triton's launcher API: plain launches from now on
-            self.fast = False
+            self.fast, plain = False, True
+        if plain:
             self.fn[tuple(grid)](*args, **kwargs)
 
     def prepare(self, grid: Sequence[int], leading: int, *args: Any, **kwargs: Any) -> Prepared | None:
