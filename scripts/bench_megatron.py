@@ -426,8 +426,9 @@ def main() -> int:
         for v in chosen:
             cmd, env = _command(args, config, v, rules["moe" if config.startswith("moe") else "dense"])
             t0 = time.time()
+            samples = _pyspy_path(args, config, v)
             if args.pyspy:
-                out, rc = run_sampled(cmd, env, args, _pyspy_path(args, config, v))
+                out, rc = run_sampled(cmd, env, args, samples)
             else:
                 try:
                     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -444,12 +445,12 @@ def main() -> int:
                 print(r.tail, flush=True)
             log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
             log.flush()
-            if args.pyspy and os.path.isfile(_pyspy_path(args, config, v)):
+            if args.pyspy and os.path.isfile(samples):
                 import trace_step  # scripts/
 
                 print(f"\n## {config} {v.name}: where the process's wall time goes after the warm-up "
                       f"(py-spy, {args.pyspy:g} Hz)\n")
-                print(trace_step.pyspy_summarize(_pyspy_path(args, config, v), args.pyspy), flush=True)
+                print(trace_step.pyspy_summarize(samples, args.pyspy), flush=True)
     if profiles:
         found = {k: p for k, p in profiles.items() if p}
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")

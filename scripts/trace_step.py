@@ -310,8 +310,8 @@ def pyspy_parse(text: str) -> dict[str, dict[str, ThreadSamples]]:
 def pyspy_process(procs: dict[str, dict[str, ThreadSamples]]) -> str | None:
     """The process with the most samples inside ``train_step`` (torchrun's agent and torch.compile's
     workers have none)."""
-    def inside(cmd: str) -> int:
-        return sum(s.total - s.phases[PYSPY_OUTSIDE] for s in procs[cmd].values())
+    def inside(proc: str) -> int:
+        return sum(s.total - s.phases[PYSPY_OUTSIDE] for s in procs[proc].values())
     best = max(procs, key=inside, default=None)
     return best if best is not None and inside(best) else None
 
