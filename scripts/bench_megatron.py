@@ -229,7 +229,7 @@ def profile_of(args: argparse.Namespace, config: str, v: Variant) -> dict[str, A
     import trace_step  # scripts/: torch and the package, needed only here
 
     events = trace_step.load(path)
-    return {**trace_step.summarize(events), "kernels": trace_step.top_kernels(events),
+    return {**trace_step.summarize(events), "kernels": trace_step.top_kernels(events, getattr(args, "top_kernels", 15)),
             "annotations": trace_step.step_annotations(events)}
 
 
@@ -389,6 +389,8 @@ def main() -> int:
                     help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
                          "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
+    ap.add_argument("--top-kernels", type=int, default=15, metavar="N",
+                    help="with --profile: how many kernels to list per variant, most GPU time first")
     ap.add_argument("--no-nan-check", action="store_true",
                     help="every run with --no-check-for-nan-in-loss-and-grad, as the -fullgraph variants need "
                          "(Megatron's check reads the loss on the host each micro-batch)")
