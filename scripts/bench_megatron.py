@@ -67,6 +67,10 @@ NEEDS_TE_OR_APEX = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fu
                     "--no-persist-layer-norm"]
 # The ones Megatron runs by default without them (torch.compile'd SwiGLU and bias-dropout-add):
 # ``--fusions off`` (runs AC-AE) turns them off too, ``--fusions megatron`` keeps Megatron's default.
+# ``--fusions rope``: Megatron's default and its RoPE fusion too, from our plug-in (megatron/rope.py,
+# the unfused bits in one pass), in every variant that runs a spec of ours (baselines included, all
+# through our launcher, which installs it before Megatron checks its config).
+ROPE_FUSION_OFF = "--no-rope-fusion"
 COMPILED_FUSIONS_OFF = ["--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"]
 SPEC = ["--spec", "megatron_fp8.megatron.plugin", "layer_spec"]
 # Megatron's own linears with our core attention (SDPA on CUDA): attention for attention
@@ -173,15 +177,19 @@ def drift(intervals: tuple[float, ...]) -> float | None:
 def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> tuple[list[str], dict[str, str]]:
     script = os.path.join(args.megatron_lm, "pretrain_gpt.py")
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    rope = getattr(args, "fusions", "off") == "rope" and (v.ours or v.name in BASELINES)
     if v.ours:  # our launcher: installs the plug-in before Megatron validates its config (MoE + fp8, no TE)
         run += ["-m", "megatron_fp8.megatron.launch", "--count-gemms", script]
+    elif rope:  # the baseline's config asks for the fused RoPE too: the plug-in must be in before it
+        run += ["-m", "megatron_fp8.megatron.launch", script]
     else:
         run += [script]
     layers = ["--num-layers", str(args.layers), "--seq-length", str(args.seq), "--max-position-embeddings",
               str(args.seq), "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs * args.micro),
               "--train-iters", str(args.iters), "--log-interval", str(args.log_interval)]
     spec = SPEC if v.ours else BASELINE_SPEC if v.name in BASELINES else []
-    fusions = NEEDS_TE_OR_APEX + (COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else [])
+    fusions = [f for f in NEEDS_TE_OR_APEX if not (rope and f == ROPE_FUSION_OFF)]
+    fusions += COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else []
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
     if v.full_graph:
         cmd += FULL_GRAPH
@@ -399,9 +407,11 @@ def main() -> int:
                          "wall time goes per thread (trace_step.py --pyspy); samples in pyspy_<config>_<variant>.txt")
     ap.add_argument("--pyspy-bin", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--fusions", choices=("off", "megatron"), default="off",
+    ap.add_argument("--fusions", choices=("off", "megatron", "rope"), default="off",
                     help="off: Megatron's SwiGLU and bias-dropout-add fusions off too (runs AC-AE); megatron: "
-                         "on, as Megatron runs by default (torch.compile'd); those needing apex or TE stay off")
+                         "on, as Megatron runs by default (torch.compile'd); those needing apex or TE stay off; "
+                         "rope: megatron's and its RoPE fusion, from our plug-in, in every variant with a spec "
+                         "of ours (the baselines too)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.from_log:

@@ -23,7 +23,7 @@ for what in "${steps[@]}"; do
       if [ "${PIPESTATUS[0]}" -ne 0 ]; then export MEGATRON_FP8_HYBRID_GEMM=triton
         echo "test_cublaslt_gpu failed: MEGATRON_FP8_HYBRID_GEMM=triton from here on" | tee -a "$OUT/gpu_tests_cublaslt.log"; fi
       PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -s -p no:logging tests/test_segment_casts.py \
-        tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py tests/test_pad_rows.py \
+        tests/test_*gpu*.py tests/test_persistent_cast.py tests/test_nonfinite_kernels.py tests/test_pad_rows.py tests/test_rope.py \
         --deselect tests/test_cublaslt_gpu.py --deselect tests/test_graphed_linear_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
       # the per-layer CUDA graphs in a process of their own: a capture that fails can leave CUDA's
       # random-number generator unusable for the rest of the process (ops/graphed.py)

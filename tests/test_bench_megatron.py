@@ -131,6 +131,22 @@ def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:
             assert all((f in cmd) == (fusions == "off") for f in bm.COMPILED_FUSIONS_OFF)
 
 
+def test_fusions_rope_runs_every_spec_of_ours_through_the_launcher_with_rope_fusion() -> None:
+    """``--fusions rope``: our spec and the baselines that load it keep Megatron's compiled fusions,
+    drop ``--no-rope-fusion`` and start through our launcher (the plug-in must fill megatron-core's
+    fused-RoPE slot before Megatron-LM checks its config); Megatron's own spec keeps it off."""
+    import argparse
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                              fusions="rope")
+    for name, rope in (("megatron-bf16", True), ("ours-tensorwise", True), ("megatron-bf16-own-attn", False)):
+        cmd, _ = bm._command(args, "dense-8b", bm.variants([name])[0], "")
+        assert (bm.ROPE_FUSION_OFF not in cmd) == rope
+        assert ("megatron_fp8.megatron.launch" in cmd) == rope
+        assert not any(f in cmd for f in bm.COMPILED_FUSIONS_OFF)
+        assert all(f in cmd for f in bm.NEEDS_TE_OR_APEX if f != bm.ROPE_FUSION_OFF)
+
+
 def _trace(tmp: str) -> str:
     """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms (and the stub of the
     next one, where recording stops), kernels on two streams."""

@@ -50,6 +50,7 @@ from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from ..ops.graphed import ENV as GRAPHS_ENV
 from ..ops.graphed import graphs_on, run_as_captured
+from . import rope
 from .compat import patch_megatron, whole_iteration_graph
 from .fp8 import recipe_from_megatron
 from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
@@ -293,9 +294,10 @@ def _print0(text: str) -> None:
 
 def install() -> None:
     """Install the plug-in (idempotent): megatron-core's FP8 region, recompute and TE checks
-    (``compat.py``), and the first-forward hook for the YAML flags (re-armed if a model
-    configured earlier removed it)."""
+    (``compat.py``), the fused RoPE where Transformer Engine's is missing (``rope.py``), and the
+    first-forward hook for the YAML flags (re-armed if a model configured earlier removed it)."""
     patch_megatron(layer_spec)
+    rope.install()
     _hook.arm()
 
 

@@ -1,0 +1,141 @@
+"""RoPE fusion without Transformer Engine (``megatron/rope.py``, ``kernels/triton_rope.py``):
+the one-pass kernel equals megatron-core's unfused RoPE bit for bit, forward and backward (BF16
+and FP16, rotating all of the head dim or part of it, interleaved or not, q as a strided view of
+the QKV output, frequencies per position or per sample); the plug-in fills megatron-core's empty
+fused-RoPE slot so a config with ``apply_rope_fusion`` builds, and a GPT model trains with it to
+the same bits as without. The kernel runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1``
+(CI's interpreter list); elsewhere the fused function is megatron-core's unfused one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_fp8.testing import bits
+
+pytest.importorskip("megatron.core")
+rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+
+KERNEL = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _freqs(s: int, rot: int, fb: int = 1, interleaved: bool = False) -> torch.Tensor:
+    """Frequencies as megatron-core's ``RotaryEmbedding`` lays them out: ``[s, fb, 1, rot]``, FP32."""
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    pos = torch.arange(s, dtype=torch.float32)[:, None] + torch.arange(fb, dtype=torch.float32)[None, :] * 7
+    f = pos[..., None] * inv  # [s, fb, rot / 2]
+    emb = torch.stack((f, f), dim=-1).reshape(s, fb, rot) if interleaved else torch.cat((f, f), dim=-1)
+    return emb[:, :, None, :].to(DEV)
+
+
+def _unfused(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+def _qkv_view(s: int, b: int, h: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A leaf ``[s, b, h, 3 d]`` and its q: a strided view, as megatron-core splits its QKV output."""
+    torch.manual_seed(0)
+    mixed = (torch.randn(s, b, h, 3 * d, device=DEV) * 3).to(dtype).requires_grad_()
+    return mixed, mixed[..., :d]
+
+
+@pytest.mark.skipif(not KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot, fb", [(32, 1), (16, 1), (32, 2)])
+def test_kernel_equals_unfused_rope_bitwise(dtype: torch.dtype, interleaved: bool, rot: int, fb: int) -> None:
+    from megatron_fp8.megatron import rope
+
+    s, b, h, d = 24, 2, 3, 32
+    freqs = _freqs(s, rot, fb, interleaved)
+    grads = []
+    outs = []
+    for fused in (False, True):
+        mixed, q = _qkv_view(s, b, h, d, dtype)
+        assert not q.is_contiguous()
+        if fused:
+            assert rope._serves(q, freqs)
+            y = rope.fused_apply_rotary_pos_emb(q, freqs, interleaved=interleaved)
+            assert type(y.grad_fn).__name__ == "_FusedRoPEBackward"
+        else:
+            y = _unfused(q, freqs, interleaved)
+        g = (torch.randn(y.shape, generator=torch.Generator().manual_seed(1)) * 2).to(dtype).to(DEV)
+        g[5, 1, 2], g[6, 0, 1] = 0.0, -0.0  # zero gradients: signed zeros as autograd's sums leave them
+        y.backward(g)
+        outs.append(y.detach())
+        grads.append(mixed.grad)
+    assert outs[1].is_contiguous() and outs[1].shape == outs[0].shape
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    assert torch.equal(bits(grads[0]), bits(grads[1]))
+
+
+@pytest.mark.skipif(not KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_cosine_and_sine_kept_on_the_frequencies_until_they_change() -> None:
+    from megatron_fp8.megatron import rope
+
+    freqs = _freqs(8, 16)
+    t = torch.randn(8, 1, 2, 16, device=DEV).to(torch.bfloat16)
+    first = rope.fused_apply_rotary_pos_emb(t, freqs)
+    kept = getattr(freqs, rope._CACHE)
+    assert torch.equal(bits(rope.fused_apply_rotary_pos_emb(t, freqs)), bits(first))
+    assert getattr(freqs, rope._CACHE) is kept  # reused
+    with torch.no_grad():
+        freqs.mul_(2)  # a new version: the cosine and sine are made again
+    again = rope.fused_apply_rotary_pos_emb(t, freqs)
+    assert getattr(freqs, rope._CACHE) is not kept
+    assert torch.equal(bits(again), bits(_unfused(t, freqs, False)))
+
+
+def test_unserved_calls_take_megatrons_unfused_rope() -> None:
+    from megatron_fp8.megatron import rope
+
+    freqs = _freqs(8, 16)
+    t = torch.randn(8, 1, 2, 16, device=DEV, requires_grad=True)  # FP32: not the kernel's
+    assert not rope._serves(t, freqs)
+    y = rope.fused_apply_rotary_pos_emb(t, freqs)
+    assert torch.equal(bits(y), bits(_unfused(t, freqs, False)))
+    moved = rope.fused_apply_rotary_pos_emb(t.detach(), freqs, transpose_output_memory=True)
+    assert moved.transpose(0, 1).is_contiguous() and torch.equal(bits(moved.contiguous()), bits(y))
+
+
+def test_install_fills_only_an_empty_slot_and_packed_sequences_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_fp8.megatron import rope
+
+    def te_rope(*args: object, **kwargs: object) -> None:  # stands in for Transformer Engine's kernel
+        return None
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", te_rope)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
+    assert rope.install() is False and rope_utils.fused_apply_rotary_pos_emb is te_rope
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    assert rope.install() is True
+    with pytest.raises(RuntimeError, match="--no-rope-fusion"):
+        rope_utils.fused_apply_rotary_pos_emb_thd(torch.zeros(1), None, None, cp_size=1, cp_rank=0)
+
+
+def test_megatron_dispatches_to_the_fused_rope_with_the_unfused_bits() -> None:
+    """megatron-core's own ``apply_rotary_pos_emb`` under a config with ``apply_rope_fusion``
+    (which its config check refuses without a fused RoPE in the slot): the plug-in's function
+    runs, with the bits of the same call under ``apply_rope_fusion=False``."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_fp8.megatron import plugin  # noqa: F401  (installs the fused RoPE where TE is missing)
+
+    assert rope_utils.fused_apply_rotary_pos_emb is not None
+    kw = dict(num_layers=1, hidden_size=64, num_attention_heads=2)
+    on, off = TransformerConfig(apply_rope_fusion=True, **kw), TransformerConfig(apply_rope_fusion=False, **kw)
+    freqs = _freqs(16, 32)
+    cp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # read for packed sequences only
+    outs, grads = [], []
+    for cfg in (off, on):
+        mixed, q = _qkv_view(16, 2, 2, 32, torch.bfloat16)
+        y = rope_utils.apply_rotary_pos_emb(q, freqs, config=cfg, cp_group=cp)
+        y.float().square().sum().backward()
+        outs.append(y.detach())
+        grads.append(mixed.grad)
+    assert torch.equal(bits(outs[0]), bits(outs[1])) and torch.equal(bits(grads[0]), bits(grads[1]))
