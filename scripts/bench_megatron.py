@@ -191,6 +191,8 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
     fusions = [f for f in NEEDS_TE_OR_APEX if not (rope and f == ROPE_FUSION_OFF)]
     fusions += COMPILED_FUSIONS_OFF if getattr(args, "fusions", "off") == "off" else []
     cmd = run + CONFIGS[config] + COMMON + fusions + layers + spec
+    if getattr(args, "no_dropout", False):  # as Llama-style models train (Megatron's default is 0.1 for both)
+        cmd += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
     if v.full_graph:
         cmd += FULL_GRAPH
     elif getattr(args, "no_nan_check", False):  # as the whole-iteration graph needs: eager runs on equal terms
@@ -397,6 +399,9 @@ def main() -> int:
                     help="profile iteration 12 (Megatron's --use-pytorch-profiler) and print where its time goes "
                          "(trace_step.py --summarize): GPU busy/idle, GEMMs, FP8 casts, attention, host in our layers; "
                          "the profiler slows host-bound steps, so take ms/iter from a run without it")
+    ap.add_argument("--no-dropout", action="store_true",
+                    help="every run with --attention-dropout 0.0 --hidden-dropout 0.0 (Megatron's defaults are 0.1; "
+                         "Llama-style models train without dropout)")
     ap.add_argument("--top-kernels", type=int, default=15, metavar="N",
                     help="with --profile: how many kernels to list per variant, most GPU time first")
     ap.add_argument("--no-nan-check", action="store_true",

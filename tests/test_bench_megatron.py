@@ -147,6 +147,18 @@ def test_fusions_rope_runs_every_spec_of_ours_through_the_launcher_with_rope_fus
         assert all(f in cmd for f in bm.NEEDS_TE_OR_APEX if f != bm.ROPE_FUSION_OFF)
 
 
+def test_no_dropout_turns_both_dropouts_off_in_every_variant() -> None:
+    import argparse
+
+    for no_dropout in (False, True):
+        args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                                  no_dropout=no_dropout)
+        for name in ("megatron-bf16", "ours-tensorwise", "ours-tensorwise-fullgraph"):
+            cmd = bm._command(args, "dense-8b", bm.variants([name])[0], "")[0]
+            assert (("--attention-dropout" in cmd) and ("--hidden-dropout" in cmd)) == no_dropout
+            assert ("--cuda-graph-impl" in cmd) == name.endswith("fullgraph")
+
+
 def _trace(tmp: str) -> str:
     """A Chrome trace as torch.profiler writes it: one profiled step of 10 ms (and the stub of the
     next one, where recording stops), kernels on two streams."""
