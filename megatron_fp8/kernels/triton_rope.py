@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .triton_launch import Launcher, cdiv
 
-_ROWS = 4  # (position, batch, head) rows a program handles
+_ELEMENTS = 2048  # what a program handles: 2048 // (the head dim, to a power of 2) rows
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _round(v, dtype: tl.constexpr, BF16: tl.constexpr):
     this way CI's interpreter runs compute the GPU's bits."""
     if BF16:
         b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
         v = tl.where(v != v, v, b.to(tl.float32, bitcast=True))  # NaN stays NaN
     return v.to(dtype)
 
@@ -107,8 +107,9 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
     rot = cos.shape[2]
     n = s * b * h
-    _rope((cdiv(n, _ROWS),), t, cos, sin, out, n, b, h, t.stride(0), t.stride(1), t.stride(2),
+    bd = triton.next_power_of_2(d)
+    br = max(1, _ELEMENTS // bd)
+    _rope((cdiv(n, br),), t, cos, sin, out, n, b, h, t.stride(0), t.stride(1), t.stride(2),
           cos.stride(0), cos.stride(1) if cos.shape[1] > 1 else 0, d, rot, rot // 2,
-          BACKWARD=backward, INTERLEAVED=interleaved, BF16=t.dtype == torch.bfloat16, BR=_ROWS,
-          BD=triton.next_power_of_2(d))
+          BACKWARD=backward, INTERLEAVED=interleaved, BF16=t.dtype == torch.bfloat16, BR=br, BD=bd)
     return out
