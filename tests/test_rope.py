@@ -101,6 +101,28 @@ def test_unserved_calls_take_megatrons_unfused_rope() -> None:
     assert moved.transpose(0, 1).is_contiguous() and torch.equal(bits(moved.contiguous()), bits(y))
 
 
+def test_a_kernel_that_fails_warns_once_and_leaves_the_unfused_rope(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_fp8.megatron import rope
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(rope._FusedRoPE, "apply", broken)
+    monkeypatch.setattr(rope, "_state", rope._State())
+    monkeypatch.setattr(rope, "_serves", lambda t, freqs: True)  # as on a GPU
+    freqs = _freqs(8, 16)
+    t = torch.randn(8, 1, 2, 16, device=DEV).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="fused RoPE kernel failed.*unfused"):
+        y = rope.fused_apply_rotary_pos_emb(t, freqs)
+    assert torch.equal(bits(y), bits(_unfused(t, freqs, False)))
+    assert not rope._state.kernel_ok
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next call goes straight to the unfused RoPE
+        assert torch.equal(bits(rope.fused_apply_rotary_pos_emb(t, freqs)), bits(y))
+
+
 def test_install_fills_only_an_empty_slot_and_packed_sequences_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_fp8.megatron import rope
 

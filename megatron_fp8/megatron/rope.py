@@ -17,6 +17,7 @@ raises, naming the fix (``--no-rope-fusion``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -79,6 +80,35 @@ def _serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     return freqs.shape[0] == s and freqs.shape[1] in (1, b) and rot % 2 == 0 and 0 < rot <= d and t.numel() > 0
 
 
+class _State:
+    kernel_ok = True  # False once the kernel failed: megatron-core's unfused RoPE from then on (same bits)
+    proven = False  # a forward ran through the kernel
+
+
+_state = _State()
+
+
+def _fused(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+    """The kernel's RoPE; None (after a warning, once) where its first forward fails, e.g. a
+    Triton that cannot compile it: the caller computes the unfused RoPE, with the same bits."""
+    cos, sin = _cos_sin(freqs, t.dtype)
+    if _state.proven:
+        return _FusedRoPE.apply(t, cos, sin, interleaved)
+    try:
+        out = _FusedRoPE.apply(t, cos, sin, interleaved)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the unfused chain computes the same bits
+        _state.kernel_ok = False
+        warnings.warn(f"megatron_fp8: the fused RoPE kernel failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); RoPE runs megatron-core's unfused ops "
+                      f"from now on (the same numbers, more launches; --no-rope-fusion says so explicitly)",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    _state.proven = True
+    return out
+
+
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
                                interleaved: bool = False) -> torch.Tensor:
     """RoPE of ``t [s, b, h, d]`` with ``freqs [s, 1, 1, rot]`` (Transformer Engine's signature,
@@ -87,10 +117,8 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
     ``[b, s, h, d]`` order, as TE's option."""
     if freqs.dim() == t.dim() + 1 and freqs.size(-2) == 1:  # [s, 1, 1, 1, rot], as megatron-core squeezes
         freqs = freqs.squeeze(-2)
-    if _serves(t, freqs):
-        cos, sin = _cos_sin(freqs, t.dtype)
-        out = _FusedRoPE.apply(t, cos, sin, interleaved)
-    else:
+    out = _fused(t, freqs, interleaved) if _state.kernel_ok and _serves(t, freqs) else None
+    if out is None:
         rope_utils = import_megatron("megatron.core.models.common.embeddings.rope_utils",
                                      "megatron_fp8.megatron.rope")
         out = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
