@@ -123,6 +123,23 @@ def test_a_kernel_that_fails_warns_once_and_leaves_the_unfused_rope(monkeypatch:
         assert torch.equal(bits(rope.fused_apply_rotary_pos_emb(t, freqs)), bits(y))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [32, 16])
+def test_backward_by_torch_equals_autograds_through_the_unfused_rope(interleaved: bool, rot: int) -> None:
+    """The backward a failed kernel leaves (torch ops): autograd's through the unfused chain, bitwise."""
+    from megatron_fp8.megatron import rope
+
+    freqs = _freqs(12, rot, 1, interleaved)
+    mixed, q = _qkv_view(12, 2, 2, 32, torch.bfloat16)
+    y = _unfused(q, freqs, interleaved)
+    g = (torch.randn(y.shape, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16).to(DEV)
+    g[5, 1, 1], g[6, 0, 0] = 0.0, -0.0
+    y.backward(g)
+    cos, sin = rope._cos_sin(freqs, torch.bfloat16)
+    got = rope._backward_by_torch(g, cos, sin, interleaved)
+    assert torch.equal(bits(got), bits(mixed.grad[..., :32]))
+
+
 def test_install_fills_only_an_empty_slot_and_packed_sequences_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_fp8.megatron import rope
 

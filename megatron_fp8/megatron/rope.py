@@ -62,7 +62,28 @@ class _FusedRoPE(torch.autograd.Function):
 
         cos, sin = ctx.saved_tensors
         g = grad if grad.stride(-1) == 1 else grad.contiguous()
-        return triton_rope.rope(g, cos, sin, ctx.interleaved, backward=True), None, None, None
+        if _state.kernel_ok:
+            try:
+                return triton_rope.rope(g, cos, sin, ctx.interleaved, backward=True), None, None, None
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - torch's ops compute the same bits
+                _failed(exc)
+        return _backward_by_torch(g, cos, sin, ctx.interleaved), None, None, None
+
+
+def _backward_by_torch(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The kernel's backward in torch ops (where it failed): ``g cos`` plus ``rotate_half``'s
+    transpose of ``g sin``, rounded as autograd rounds them through the unfused chain."""
+    rot = cos.shape[-1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    g_rot = g[..., :rot]
+    a, b = g_rot * c, g_rot * s
+    if interleaved:  # dx[2i] += b[2i + 1], dx[2i + 1] -= b[2i]
+        r = torch.stack((b[..., 1::2], -b[..., 0::2]), dim=-1).flatten(-2)
+    else:  # dx[i] += b[i + half], dx[i + half] -= b[i]
+        r = torch.cat((b[..., rot // 2:], -b[..., : rot // 2]), dim=-1)
+    return torch.cat((a + r, g[..., rot:]), dim=-1) + 0.0  # -0 comes out +0, as autograd's sums
 
 
 def _serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
@@ -88,6 +109,14 @@ class _State:
 _state = _State()
 
 
+def _failed(exc: BaseException) -> None:
+    _state.kernel_ok = False
+    warnings.warn(f"megatron_fp8: the fused RoPE kernel failed ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); RoPE runs megatron-core's unfused ops "
+                  f"from now on (the same numbers, more launches; --no-rope-fusion says so explicitly)",
+                  RuntimeWarning, stacklevel=4)
+
+
 def _fused(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
     """The kernel's RoPE; None (after a warning, once) where its first forward fails, e.g. a
     Triton that cannot compile it: the caller computes the unfused RoPE, with the same bits."""
@@ -99,11 +128,7 @@ def _fused(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Ten
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - the unfused chain computes the same bits
-        _state.kernel_ok = False
-        warnings.warn(f"megatron_fp8: the fused RoPE kernel failed ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''}); RoPE runs megatron-core's unfused ops "
-                      f"from now on (the same numbers, more launches; --no-rope-fusion says so explicitly)",
-                      RuntimeWarning, stacklevel=3)
+        _failed(exc)
         return None
     _state.proven = True
     return out
