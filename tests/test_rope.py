@@ -89,6 +89,77 @@ def test_cosine_and_sine_kept_on_the_frequencies_until_they_change() -> None:
     assert torch.equal(bits(again), bits(_unfused(t, freqs, False)))
 
 
+@pytest.mark.skipif(not KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_inference_mode_no_grad_and_strided_gradients() -> None:
+    """Inference tensors (megatron-core generates under ``torch.inference_mode``) have no version
+    to key the cache by: computed, not kept. A gradient with a strided last dim, a head dim that
+    is not a power of 2 (masked columns), the output's memory in [b, s] order: all bitwise."""
+    from megatron_fp8.megatron import rope
+
+    with torch.inference_mode():
+        freqs = _freqs(8, 16)
+        t = torch.randn(8, 2, 3, 24, device=DEV).to(torch.bfloat16)
+        y = rope.fused_apply_rotary_pos_emb(t, freqs)
+        assert not hasattr(freqs, rope._CACHE)
+        assert torch.equal(bits(y), bits(_unfused(t, freqs, False)))
+    freqs = _freqs(8, 16)
+    with torch.no_grad():
+        t = torch.randn(8, 2, 3, 24, device=DEV).to(torch.bfloat16)
+        assert torch.equal(bits(rope.fused_apply_rotary_pos_emb(t, freqs)), bits(_unfused(t, freqs, False)))
+    moved = rope.fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=True)
+    assert moved.transpose(0, 1).is_contiguous()
+    assert torch.equal(bits(moved.contiguous()), bits(_unfused(t, freqs, False)))
+    grads = []
+    for fused in (False, True):
+        leaf = t.clone().requires_grad_()
+        y = rope.fused_apply_rotary_pos_emb(leaf, freqs) if fused else _unfused(leaf, freqs, False)
+        g = torch.randn(24, 8, 2, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
+        y.backward(g.permute(1, 2, 3, 0))  # last dim strided: the backward makes it contiguous
+        grads.append(leaf.grad)
+    assert torch.equal(bits(grads[0]), bits(grads[1]))
+
+
+def test_frequencies_that_need_a_gradient_get_one() -> None:
+    from megatron_fp8.megatron import rope
+
+    freqs = _freqs(8, 16).requires_grad_()
+    t = torch.randn(8, 1, 2, 16, device=DEV).to(torch.bfloat16)
+    assert not rope._serves(t, freqs)  # the kernel gives the frequencies no gradient: the unfused chain does
+    rope.fused_apply_rotary_pos_emb(t, freqs).float().sum().backward()
+    assert freqs.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter loads BF16 subnormals wrong)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_equals_unfused_rope_with_special_values_on_the_gpu(dtype: torch.dtype) -> None:
+    """Subnormals, values whose products overflow, infinities; a Llama-sized head (h 32, d 128):
+    bitwise, NaN payloads aside (the same places are NaN)."""
+    from megatron_fp8.megatron import rope
+
+    torch.manual_seed(0)
+    s, b, h, d = 64, 2, 32, 128
+    freqs = _freqs(s, d) * 37  # angles of every quadrant
+    tiny = torch.finfo(dtype).tiny
+    x = torch.randn(s, b, h, d, device=DEV)
+    x[0] *= tiny / 4  # subnormal inputs
+    x[1] *= torch.finfo(dtype).max / 2  # products and sums near overflow
+    x[2, 0, 0, :8] = float("inf")
+    x = x.to(dtype)
+    outs, grads = [], []
+    for fused in (False, True):
+        leaf = x.clone().requires_grad_()
+        y = rope.fused_apply_rotary_pos_emb(leaf, freqs) if fused else _unfused(leaf, freqs, False)
+        g = torch.randn(y.shape, device=DEV).to(dtype)
+        g[3] *= tiny / 4
+        y.backward(g)
+        outs.append(y.detach())
+        grads.append(leaf.grad)
+    for a, b_ in ((outs[0], outs[1]), (grads[0], grads[1])):
+        assert torch.equal(a.isnan(), b_.isnan())
+        ok = ~a.isnan()
+        assert torch.equal(bits(a[ok]), bits(b_[ok]))
+
+
 def test_unserved_calls_take_megatrons_unfused_rope() -> None:
     from megatron_fp8.megatron import rope
 

@@ -9,7 +9,7 @@ direction, and rounds where those ops round: ``a = dtype(x * cos)``, ``b = dtype
 ``r`` the rotated-half partner (``-x2, x1``, or pairwise for interleaved RoPE), then
 ``dtype(a + b)``. BF16 and FP16 products of two such values are exact in FP32 and the sum is
 rounded to FP32 and then to the dtype, as torch's ops do, so the result equals the unfused
-chain's bitwise (tests/test_rope.py). Backward is the transpose: ``dtype(dtype(g * cos) +
+chain's bitwise (tests/test_rope.py; NaN payloads aside). Backward is the transpose: ``dtype(dtype(g * cos) +
 s * dtype(g' * sin'))`` with ``g'`` and ``sin'`` at the partner column and ``s`` the partner's
 sign, which is how autograd sums the two paths into ``x`` (and, as autograd's sum of the two
 slices' zero-padded gradients does, a negative zero comes out positive). FP32 inputs are not served (the
@@ -35,8 +35,9 @@ _ELEMENTS = 2048  # what a program handles: 2048 // (the head dim, to a power of
 @triton.jit
 def _round(v, dtype: tl.constexpr, BF16: tl.constexpr):
     """FP32 ``v`` rounded to ``dtype`` to nearest, ties to even. BF16 by its bits (the FP32 value
-    it keeps, then an exact conversion): Triton's interpreter truncates where the GPU rounds, and
-    this way CI's interpreter runs compute the GPU's bits."""
+    it keeps, then an exact conversion): Triton's interpreter truncates where the GPU rounds, so
+    this way CI's interpreter runs round as the GPU does (its BF16 loads of subnormals are wrong
+    too: the interpreter's runs are checked with normal numbers, the GPU's with subnormals)."""
     if BF16:
         b = v.to(tl.uint32, bitcast=True)
         b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
@@ -91,18 +92,11 @@ def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, B, H, st0, st1, st2, 
 _rope = Launcher(_rope_kernel)
 
 
-def serves(t: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether ``rope`` takes ``t`` (a 4-D BF16 or FP16 tensor, unit stride along the last dim)
-    with ``cos`` ``[s, 1 or b, rot]`` (``rot`` even, at most ``d``) on its device."""
-    return (t.dim() == 4 and t.dtype in (torch.bfloat16, torch.float16) and t.stride(3) == 1 and t.numel() > 0
-            and cos.dim() == 3 and cos.shape[0] == t.shape[0] and cos.shape[1] in (1, t.shape[1])
-            and cos.shape[2] % 2 == 0 and 0 < cos.shape[2] <= t.shape[3] and cos.dtype == t.dtype
-            and cos.is_contiguous() and cos.device == t.device)
-
-
 def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backward: bool) -> torch.Tensor:
     """RoPE of ``t`` (or, ``backward``, its gradient's transpose applied to ``t``), a new
-    contiguous tensor; ``serves(t, cos)`` checked by the caller, ``sin`` like ``cos``."""
+    contiguous tensor. The caller checks the shapes (``megatron/rope.py``): ``t`` 4-D BF16 or FP16
+with unit stride along the last dim, ``cos`` and ``sin`` ``[s, 1 or b, rot]`` contiguous in its
+dtype on its device, ``rot`` even and at most ``d``."""
     s, b, h, d = t.shape
     out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
     rot = cos.shape[2]

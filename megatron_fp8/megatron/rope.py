@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..quant.kernels import _kernel_device
 from .specs import import_megatron
@@ -31,15 +32,20 @@ _CACHE = "_megatron_fp8_rope"  # the attribute on a frequency tensor holding its
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``freqs [s, fb, 1, rot]``'s cosine and sine as megatron-core's unfused RoPE rounds them
     (FP32, then ``dtype``), ``[s, fb, rot]`` contiguous. Kept on the frequency tensor (megatron-core's
-    ``RotaryEmbedding`` returns the same one every step) until it is modified; never while a CUDA
-    graph is being captured (the values would not exist before the first replay)."""
-    key = (freqs._version, dtype)
-    kept = getattr(freqs, _CACHE, None)
+    ``RotaryEmbedding`` returns the same one every step) until it is modified in place (a write
+    through ``.data`` is not seen: megatron-core makes its frequencies once). Not kept, nor read
+    from what is kept, while a CUDA graph is being captured (the graph computes them itself, so a
+    replay never reads tensors the cache may have dropped), nor for inference tensors (which have
+    no version to key them by)."""
+    capturing = freqs.is_cuda and torch.cuda.is_current_stream_capturing()
+    keep = not capturing and not freqs.is_inference()
+    key = (freqs._version, dtype) if keep else None
+    kept = getattr(freqs, _CACHE, None) if keep else None
     if kept is not None and kept[0] == key:
         return kept[1], kept[2]
     f = freqs.reshape(freqs.shape[0], freqs.shape[1], freqs.shape[-1])
     cos, sin = torch.cos(f).to(dtype).contiguous(), torch.sin(f).to(dtype).contiguous()
-    if not (freqs.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if keep:
         setattr(freqs, _CACHE, (key, cos, sin))
     return cos, sin
 
@@ -57,6 +63,7 @@ class _FusedRoPE(torch.autograd.Function):
         return triton_rope.rope(t, cos, sin, interleaved, backward=False)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         from ..kernels import triton_rope
 
@@ -89,6 +96,8 @@ def _backward_by_torch(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in
 def _serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     """Whether the kernel takes ``t`` with ``freqs`` (``[s, 1 or b, 1, rot]``) on this device."""
     if not _kernel_device(t) or freqs.dim() != 4 or freqs.shape[2] != 1 or freqs.device != t.device:
+        return False
+    if freqs.requires_grad:  # the kernel gives no gradient to the frequencies
         return False
     if t.dim() != 4 or t.dtype not in (torch.bfloat16, torch.float16) or t.stride(-1) != 1:
         return False
