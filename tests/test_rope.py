@@ -1,10 +1,12 @@
 """RoPE fusion without Transformer Engine (``megatron/rope.py``, ``kernels/triton_rope.py``):
 the one-pass kernel equals megatron-core's unfused RoPE bit for bit, forward and backward (BF16
 and FP16, rotating all of the head dim or part of it, interleaved or not, q as a strided view of
-the QKV output, frequencies per position or per sample); the plug-in fills megatron-core's empty
-fused-RoPE slot so a config with ``apply_rope_fusion`` builds, and a GPT model trains with it to
-the same bits as without. The kernel runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1``
-(CI's interpreter list); elsewhere the fused function is megatron-core's unfused one."""
+the QKV output, frequencies per position or per sample, signed zeros; special values on a GPU);
+megatron-core's own ``apply_rotary_pos_emb`` under ``apply_rope_fusion`` (which its config
+refuses without a fused RoPE in the slot the plug-in fills) gives the bits of the unfused path; a
+kernel that fails leaves the unfused chain with one warning. The kernel runs on CUDA, or on the
+CPU under ``TRITON_INTERPRET=1`` (CI's interpreter list); elsewhere the fused function is
+megatron-core's unfused one."""
 
 from __future__ import annotations
 
