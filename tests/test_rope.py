@@ -251,3 +251,25 @@ def test_megatron_dispatches_to_the_fused_rope_with_the_unfused_bits() -> None:
         outs.append(y.detach())
         grads.append(mixed.grad)
     assert torch.equal(bits(outs[0]), bits(outs[1])) and torch.equal(bits(grads[0]), bits(grads[1]))
+
+
+def test_launcher_installs_the_fused_rope_before_the_script_builds_its_config(tmp_path, monkeypatch) -> None:
+    """Megatron-LM builds its ``TransformerConfig`` before importing ``--spec``: under our launcher
+    the slot is filled first, so a config with ``apply_rope_fusion`` (Megatron-LM's default) builds."""
+    import sys
+
+    from megatron_fp8.megatron.launch import main
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = tmp_path / "pretrain_stub.py"
+    out = tmp_path / "built.txt"
+    script.write_text(
+        "import sys\n"
+        "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+        "cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2, apply_rope_fusion=True)\n"
+        "open(sys.argv[1], 'w').write(str(cfg.apply_rope_fusion))\n")
+    main([str(script), str(out)])
+    assert out.read_text() == "True"

@@ -3,7 +3,8 @@
 
 Only needed where megatron-core rejects a configuration before Megatron-LM imports ``--spec``:
 MoE with ``--fp8-format`` and no Transformer Engine (its ``TransformerConfig`` asks for TE >= 1.7
-there; ``compat.py`` says how the plug-in validates it instead). Under torchrun:
+there; ``compat.py`` says how the plug-in validates it instead), and RoPE fusion without TE
+(Megatron-LM's default; ``rope.py`` fills the slot megatron-core's config checks). Under torchrun:
 ``torchrun --nproc_per_node 8 -m megatron_fp8.megatron.launch pretrain_gpt.py --spec
 megatron_fp8.megatron.plugin layer_spec ...``.
 
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     script = os.path.abspath(args[0])
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_fp8.megatron.launch: {args[0]} does not exist")
-    from . import plugin  # noqa: F401  (installs the plug-in)
+    from . import plugin
+
+    plugin.install()  # (importing it installs it too; again here if it was imported earlier)
 
     sys.argv = [script, *args[1:]]
     sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` would: its folder first
