@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -106,6 +106,10 @@ for what in "${steps[@]}"; do
     trace) python3 scripts/trace_step.py --out /tmp/traces 2>&1 | tee "$OUT/trace_step.log" ;;
     # Megatron-LM's pretrain_gpt.py (a checkout carried in .megatron_lm, git-ignored) with our plug-in:
     # MEGATRON_ARGS go to bench_megatron.py (e.g. "--smoke --configs dense-1b,moe --layers 2")
+    # the fused RoPE (megatron/rope.py) on this GPU: its tests (bitwise against megatron-core's unfused RoPE,
+    # special values), then its time against the unfused chain's on dense-8b's q and k
+    rope) (PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -p no:logging tests/test_rope.py \
+        && PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 scripts/probes/rope_speed.py) 2>&1 | tee "$OUT/rope.log" ;;
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
     *) echo "unknown step $what" ;;
   esac
