@@ -1,7 +1,7 @@
 """RoPE fusion without Transformer Engine (``megatron/rope.py``, ``kernels/triton_rope.py``):
 the one-pass kernel equals megatron-core's unfused RoPE bit for bit, forward and backward (BF16
 and FP16, rotating all of the head dim or part of it, interleaved or not, q as a strided view of
-the QKV output, frequencies per position or per sample, signed zeros; special values on a GPU);
+the QKV output, frequencies per position or per sample, signed zeros, subnormals, overflow and infinities);
 megatron-core's own ``apply_rotary_pos_emb`` under ``apply_rope_fusion`` (which its config
 refuses without a fused RoPE in the slot the plug-in fills) gives the bits of the unfused path; a
 kernel that fails leaves the unfused chain with one warning. The kernel runs on CUDA, or on the
@@ -131,15 +131,15 @@ def test_frequencies_that_need_a_gradient_get_one() -> None:
     assert freqs.grad is not None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter loads BF16 subnormals wrong)")
+@pytest.mark.skipif(not KERNEL, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_equals_unfused_rope_with_special_values_on_the_gpu(dtype: torch.dtype) -> None:
+def test_kernel_equals_unfused_rope_with_special_values(dtype: torch.dtype) -> None:
     """Subnormals, values whose products overflow, infinities; a Llama-sized head (h 32, d 128):
     bitwise, NaN payloads aside (the same places are NaN)."""
     from megatron_fp8.megatron import rope
 
     torch.manual_seed(0)
-    s, b, h, d = 64, 2, 32, 128
+    s, b, h, d = (64, 2, 32, 128) if torch.cuda.is_available() else (8, 2, 4, 128)
     freqs = _freqs(s, d) * 37  # angles of every quadrant
     tiny = torch.finfo(dtype).tiny
     x = torch.randn(s, b, h, d, device=DEV)
@@ -147,12 +147,13 @@ def test_kernel_equals_unfused_rope_with_special_values_on_the_gpu(dtype: torch.
     x[1] *= torch.finfo(dtype).max / 2  # products and sums near overflow
     x[2, 0, 0, :8] = float("inf")
     x = x.to(dtype)
+    g = torch.randn(x.shape, device=DEV)
+    g[3] *= tiny / 4  # subnormal gradients
+    g = g.to(dtype)
     outs, grads = [], []
     for fused in (False, True):
         leaf = x.clone().requires_grad_()
         y = rope.fused_apply_rotary_pos_emb(leaf, freqs) if fused else _unfused(leaf, freqs, False)
-        g = torch.randn(y.shape, device=DEV).to(dtype)
-        g[3] *= tiny / 4
         y.backward(g)
         outs.append(y.detach())
         grads.append(leaf.grad)

@@ -33,16 +33,23 @@ _ELEMENTS = 2048  # what a program handles: 2048 // (the head dim, to a power of
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr, BF16: tl.constexpr):
-    """FP32 ``v`` rounded to ``dtype`` to nearest, ties to even. BF16 by its bits (the FP32 value
-    it keeps, then an exact conversion): Triton's interpreter truncates where the GPU rounds, so
-    this way CI's interpreter runs round as the GPU does (its BF16 loads of subnormals are wrong
-    too: the interpreter's runs are checked with normal numbers, the GPU's with subnormals)."""
+def _widen(raw, BF16: tl.constexpr):
+    """A loaded element as FP32: BF16 from its bits (passed as int16), FP16 converted."""
+    if BF16:
+        return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _narrow(v, BF16: tl.constexpr):
+    """FP32 ``v`` rounded to the dtype's precision (to nearest, ties to even), kept in FP32 (exact).
+    BF16 by its bits: Triton's interpreter truncates where the GPU rounds, and loads BF16
+    subnormals wrong, so BF16 moves as int16 bits and CI's interpreter computes the GPU's bits."""
     if BF16:
         b = v.to(tl.uint32, bitcast=True)
         b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        v = tl.where(v != v, v, b.to(tl.float32, bitcast=True))  # NaN stays NaN
-    return v.to(dtype)
+        return tl.where(v != v, v, b.to(tl.float32, bitcast=True))  # NaN stays NaN
+    return v.to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -66,27 +73,27 @@ def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, B, H, st0, st1, st2, 
         first = cols < HALF  # r[i] = -x[i + half], r[i + half] = x[i]
     m_all = in_r[:, None] & (cols < D)[None, :]
     m_rot = in_r[:, None] & rot[None, :]
-    x = tl.load(t_ptr + src[:, None] + cols[None, :], mask=m_all, other=0.0)
-    xp = tl.load(t_ptr + src[:, None] + partner[None, :], mask=m_rot, other=0.0)
-    c = tl.load(cos_ptr + frow[:, None] + cols[None, :], mask=m_rot, other=0.0)
+    x = _widen(tl.load(t_ptr + src[:, None] + cols[None, :], mask=m_all, other=0), BF16)
+    xp = _widen(tl.load(t_ptr + src[:, None] + partner[None, :], mask=m_rot, other=0), BF16)
+    c = _widen(tl.load(cos_ptr + frow[:, None] + cols[None, :], mask=m_rot, other=0), BF16)
+    a = _narrow(x * c, BF16)  # every product of two such values is exact in FP32: one rounding
     if BACKWARD:  # dx = g cos + (rotate_half's transpose of g sin): the partner's product, signed
-        sp = tl.load(sin_ptr + frow[:, None] + partner[None, :], mask=m_rot, other=0.0)
-        a = _round(x.to(tl.float32) * c.to(tl.float32), x.dtype, BF16)
-        bp = _round(xp.to(tl.float32) * sp.to(tl.float32), x.dtype, BF16)
-        bp = bp.to(tl.float32)  # negated in FP32 (exact; the interpreter's BF16 negation is not)
+        sp = _widen(tl.load(sin_ptr + frow[:, None] + partner[None, :], mask=m_rot, other=0), BF16)
+        bp = _narrow(xp * sp, BF16)
         b = tl.where(first[None, :], bp, -bp)
     else:  # y = x cos + rotate_half(x) sin
-        s = tl.load(sin_ptr + frow[:, None] + cols[None, :], mask=m_rot, other=0.0)
-        a = _round(x.to(tl.float32) * c.to(tl.float32), x.dtype, BF16)
-        xp = xp.to(tl.float32)  # negated in FP32 (exact; the interpreter's BF16 negation is not)
-        r = tl.where(first[None, :], -xp, xp)
-        b = _round(r * s.to(tl.float32), x.dtype, BF16)
-    y = _round(a.to(tl.float32) + b.to(tl.float32), x.dtype, BF16)
-    y = tl.where(rot[None, :], y, x)
+        s = _widen(tl.load(sin_ptr + frow[:, None] + cols[None, :], mask=m_rot, other=0), BF16)
+        b = _narrow(tl.where(first[None, :], -xp, xp) * s, BF16)
+    y = tl.where(rot[None, :], _narrow(a + b, BF16), x)
     if BACKWARD:  # autograd adds the two slices' zero-padded gradients: -0 comes out +0
-        y = _round(y.to(tl.float32) + 0.0, x.dtype, BF16)
+        y = y + 0.0
     dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    tl.store(out_ptr + dst, y, mask=m_all)
+    if BF16:  # exact: y has the dtype's precision; NaN made quiet so the top half stays NaN
+        hi16 = y.to(tl.uint32, bitcast=True) >> 16
+        hi16 = tl.where(y != y, hi16 | 0x40, hi16)
+        tl.store(out_ptr + dst, hi16.to(tl.uint16).to(tl.int16, bitcast=True), mask=m_all)
+    else:
+        tl.store(out_ptr + dst, y.to(tl.float16), mask=m_all)
 
 
 _rope = Launcher(_rope_kernel)
@@ -95,15 +102,20 @@ _rope = Launcher(_rope_kernel)
 def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backward: bool) -> torch.Tensor:
     """RoPE of ``t`` (or, ``backward``, its gradient's transpose applied to ``t``), a new
     contiguous tensor. The caller checks the shapes (``megatron/rope.py``): ``t`` 4-D BF16 or FP16
-with unit stride along the last dim, ``cos`` and ``sin`` ``[s, 1 or b, rot]`` contiguous in its
-dtype on its device, ``rot`` even and at most ``d``."""
+    with unit stride along the last dim, ``cos`` and ``sin`` ``[s, 1 or b, rot]`` contiguous in its
+    dtype on its device, ``rot`` even and at most ``d``."""
     s, b, h, d = t.shape
-    out = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
+    bf16 = t.dtype == torch.bfloat16
+    out = torch.empty((s, b, h, d), dtype=torch.int16 if bf16 else t.dtype, device=t.device)
     rot = cos.shape[2]
     n = s * b * h
     bd = triton.next_power_of_2(d)
     br = max(1, _ELEMENTS // bd)
+    if bf16:  # as bits (``_narrow``)
+        t, cos, sin = t.view(torch.int16), cos.view(torch.int16), sin.view(torch.int16)
     _rope((cdiv(n, br),), t, cos, sin, out, n, b, h, t.stride(0), t.stride(1), t.stride(2),
           cos.stride(0), cos.stride(1) if cos.shape[1] > 1 else 0, d, rot, rot // 2,
-          BACKWARD=backward, INTERLEAVED=interleaved, BF16=t.dtype == torch.bfloat16, BR=br, BD=bd)
+          BACKWARD=backward, INTERLEAVED=interleaved, BF16=bf16, BR=br, BD=bd)
+    if bf16:
+        return out.view(torch.bfloat16)
     return out
