@@ -17,6 +17,7 @@ raises, naming the fix (``--no-rope-fusion``).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -27,6 +28,16 @@ from ..quant.kernels import _kernel_device
 from .specs import import_megatron
 
 _CACHE = "_megatron_fp8_rope"  # the attribute on a frequency tensor holding its cosine and sine
+
+
+@functools.cache
+def _kernels() -> Any | None:
+    """``kernels.triton_rope``, or None without Triton (imported once, not per call)."""
+    try:
+        from ..kernels import triton_rope
+    except ImportError:
+        return None
+    return triton_rope
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,22 +67,18 @@ class _FusedRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
                 interleaved: bool) -> torch.Tensor:
-        from ..kernels import triton_rope
-
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
-        return triton_rope.rope(t, cos, sin, interleaved, backward=False)
+        return _kernels().rope(t, cos, sin, interleaved, backward=False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from ..kernels import triton_rope
-
         cos, sin = ctx.saved_tensors
         g = grad if grad.stride(-1) == 1 else grad.contiguous()
         if _state.kernel_ok:
             try:
-                return triton_rope.rope(g, cos, sin, ctx.interleaved, backward=True), None, None, None
+                return _kernels().rope(g, cos, sin, ctx.interleaved, backward=True), None, None, None
             except torch.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 - torch's ops compute the same bits
@@ -101,12 +108,10 @@ def _serves(t: torch.Tensor, freqs: torch.Tensor) -> bool:
         return False
     if t.dim() != 4 or t.dtype not in (torch.bfloat16, torch.float16) or t.stride(-1) != 1:
         return False
+    if _kernels() is None:
+        return False
     s, b, _, d = t.shape
     rot = freqs.shape[-1]
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
     return freqs.shape[0] == s and freqs.shape[1] in (1, b) and rot % 2 == 0 and 0 < rot <= d and t.numel() > 0
 
 
