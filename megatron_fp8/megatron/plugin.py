@@ -113,17 +113,21 @@ def core_attention() -> str:
 class _FirstForward:
     """A global forward pre-hook that configures each model (the outermost module called) at
     its first forward: applies the YAML rules and prints the start-up summary. It removes itself
-    once a model is configured and has one pipeline chunk; ``install()`` re-arms it."""
+    once as many models as there are pipeline chunks have run their first forward (ours, or
+    Megatron's own such as the benchmark's baseline: a global hook puts every module call of the
+    process on torch's slow path, ~1-3 us each); ``install()`` re-arms it."""
 
     def __init__(self) -> None:
         self.handle: Any = None
         self.done: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.rules: FP8Config | None = None
+        self.models = 0  # models configured since armed
 
     def arm(self) -> None:
         if self.handle is None:
             path = os.environ.get(ENV_CONFIG)
             self.rules = _load_rules(path) if path else None
+            self.models = 0
             self.handle = nn.modules.module.register_module_forward_pre_hook(self)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
@@ -134,7 +138,10 @@ class _FirstForward:
         if not ours:  # nothing to configure below: never walk this subtree again (Megatron's own
             self.done.update(root.modules())  # layers, e.g. the baseline, pay one set lookup a call)
             self.done.add(module)
-            _warn_high_precision_linears(root, getattr(root, "config", None))
+            config = getattr(root, "config", None)
+            _warn_high_precision_linears(root, config)
+            if config is not None:  # a Megatron model of its own layers (not some small module run first)
+                self._model_done()
             return
         self.done.add(module)
         self.done.add(root)
@@ -144,7 +151,12 @@ class _FirstForward:
         _print0("\n".join([_summary(root, plan, config), *notes]))
         _warn_high_precision_linears(root, config)
         _check_flag_costs(module, root)
-        if _pipeline_chunks() == 1 and self.handle is not None:
+        self._model_done()
+
+    def _model_done(self) -> None:
+        """Count a configured model; remove the hook once every pipeline chunk's has run."""
+        self.models += 1
+        if self.models >= _pipeline_chunks() and self.handle is not None:
             self.handle.remove()
             self.handle = None
 

@@ -292,7 +292,9 @@ def check_sequence_parallel(ck: Checker, tp: int) -> None:
 
 def check_high_precision_warning(ck: Checker, tp: int) -> None:
     """Never silent: under ``config.fp8``, megatron-core's own linears (here the baseline spec's)
-    are named at the first forward on rank 0; a model of ours gets no such warning."""
+    are named at the first forward on rank 0; a model of ours gets no such warning. After either
+    model's first forward the plug-in's global forward pre-hook is gone (it would put every
+    module call, the baseline's too, on torch's slow path)."""
     for name, spec in (("baseline", plugin.baseline_spec), ("ours", plugin.layer_spec)):
         cfg = _config(tp, ("tensorwise", "hybrid"))
         plugin.install()
@@ -303,6 +305,8 @@ def check_high_precision_warning(ck: Checker, tp: int) -> None:
             warnings.simplefilter("always")
             _step(model)
         said = [str(w.message) for w in seen if "run in high precision" in str(w.message)]
+        ck.true("warn", plugin._hook.handle is None and not torch.nn.modules.module._global_forward_pre_hooks,
+                f"{name}: the first-forward hook still armed after the model's first step")
         if name == "ours" or dist.get_rank() != 0:
             ck.true("warn", not said, f"{name}, rank {dist.get_rank()}: warned {said}")
         else:
