@@ -91,6 +91,14 @@ def test_moe_experts_pad_and_run_fp8(report: dict) -> None:
     assert report["failures"] == 0
 
 
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_router_padding_for_quantization_builds_and_trains(report: dict) -> None:
+    # per rank: three recipes x (config, splits aligned, FP8 GEMMs and loss), and the refused dispatcher
+    assert report["counts"]["padding"] == (3 * 3 + 1) * report["world"]
+    assert report["failures"] == 0
+
+
 # ---- in process ----
 def _config(fp8: str | None) -> SimpleNamespace:
     return SimpleNamespace(tensor_model_parallel_size=1, sequence_parallel=False, params_dtype=torch.float32,

@@ -22,7 +22,10 @@ __post_init__``                   checks the FP8 fields, then megatron-core's ow
                                   >= 1.7, layernorm / moe_act recompute TE >= 2.6, delayed
                                   scaling refuses that recompute, which ours runs exactly);
                                   then per-layer CUDA graphs (``cuda_graph_impl='local'``) are
-                                  refused: megatron-core keeps their FP8 state in TE
+                                  refused: megatron-core keeps their FP8 state in TE.
+                                  The router's padding for FP8 (``moe_router_padding_for_
+                                  quantization``), which megatron-core refuses with ``fp8``
+                                  unset, is hidden with it and checked by its own rules
 ``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
 _get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
                                   ``--spec`` objects through uncalled)
@@ -104,11 +107,19 @@ def _post_init_without_te(post_init: Callable[[Any], None]) -> Callable[[Any], N
             return
         recipe_from_megatron(self, per_layer=True)  # our checks of the FP8 fields, first
         fp8 = self.fp8
+        # the router's padding for FP8 refuses a config without fp8: hidden with it, checked below
+        padding = {k: getattr(self, k) for k in _ROUTER_PADDING if getattr(self, k, None)}
         self.fp8 = None  # megatron-core's FP8 checks are about TE's layers and versions
+        for k in padding:
+            setattr(self, k, False)
         try:
             post_init(self)
         finally:
             self.fp8 = fp8
+            for k, v in padding.items():
+                setattr(self, k, v)
+        if padding:
+            _router_padding(self)
         if per_layer_graphs(self):
             raise ValueError(
                 "megatron_fp8: cuda_graph_impl='local' with per-layer scopes and config.fp8 set needs Transformer "
@@ -119,6 +130,25 @@ def _post_init_without_te(post_init: Callable[[Any], None]) -> Callable[[Any], N
 
     checked._megatron_fp8 = True  # type: ignore[attr-defined]
     return checked
+
+
+_ROUTER_PADDING = ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8")
+
+
+def _router_padding(config: Any) -> None:
+    """megatron-core's own rules for ``--moe-router-padding-for-quantization`` (and its older
+    alias ``--moe-router-padding-for-fp8``), which its ``__post_init__`` applies only with
+    ``fp8`` visible: the alias turns the flag on, and the dispatchers that cannot pad refuse it.
+    The router then pads each expert's tokens to megatron-core's FP8 alignment (16; MXFP8 32);
+    our grouped linears pad further where a recipe needs more (128 rows for 1x128 blocks)."""
+    if getattr(config, "moe_router_padding_for_fp8", False) and hasattr(config, "moe_router_padding_for_quantization"):
+        config.moe_router_padding_for_quantization = True
+    dispatcher = getattr(config, "moe_token_dispatcher_type", None)
+    if dispatcher in ("allgather", "alltoall_seq"):
+        raise ValueError(f"megatron_fp8: moe_router_padding_for_quantization with moe_token_dispatcher_type="
+                         f"{dispatcher!r}: megatron-core's {dispatcher} dispatcher does not pad the routing map; use "
+                         f"'alltoall' (or 'flex'), or drop --moe-router-padding-for-quantization (our grouped linears "
+                         f"pad each expert's rows themselves)")
 
 
 def _whole_iteration_scope(config: Any) -> bool:

@@ -34,6 +34,9 @@ Categories of the JSON report:
   config, and a ``MEGATRON_FP8_CONFIG`` file with an ``fp8:`` section raise, naming the fix.
 * ``moe``: an MoE GPT (4 experts, top-2, shared expert, grouped GEMM, real router: uneven
   splits) under each recipe: FP8 GEMMs ran, splits were padded to the recipe's alignment.
+* ``padding``: Megatron's ``moe_router_padding_for_quantization`` (and its alias) under
+  ``config.fp8`` builds (megatron-core alone refuses it without TE) and trains, every expert's
+  tokens a multiple of megatron-core's alignment; the allgather dispatcher is refused.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ RECIPES = (("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "hybri
 
 
 def _config(tp: int, fp8: tuple[str, str] | None, recompute: list[str] | None = None, moe: bool = False,
-            sp: bool = False) -> TransformerConfig:
+            sp: bool = False, **extra: object) -> TransformerConfig:
     kw = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512,
               tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
               params_dtype=torch.float32,
@@ -92,6 +95,7 @@ def _config(tp: int, fp8: tuple[str, str] | None, recompute: list[str] | None = 
         kw.update(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
                   moe_token_dispatcher_type="allgather", moe_shared_expert_intermediate_size=128,
                   moe_router_load_balancing_type="none")
+    kw.update(extra)
     return TransformerConfig(**kw)
 
 
@@ -234,6 +238,69 @@ def check_moe(ck: Checker) -> None:
         compare_recompute(ck, f"moe {name}", off, on, last="decoder.layers.1.")
 
 
+class _HostStream:
+    """Stands in for the CUDA stream megatron-core's alltoall dispatcher copies token counts to the
+    host on (test-only, CPU): the copies are synchronous here."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def record_event(self) -> SimpleNamespace:
+        return SimpleNamespace(synchronize=lambda: None)
+
+
+def _alltoall_on_cpu() -> None:
+    """megatron-core's alltoall dispatcher makes a CUDA stream at construction and copies on it
+    (test-only shims, as ``_cpu_shims``): a host stand-in, current as well, so no side stream."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    stream = _HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
+
+
+def check_router_padding(ck: Checker) -> None:
+    """``moe_router_padding_for_quantization`` (Megatron-LM's ``--moe-router-padding-for-quantization``,
+    and its older alias): megatron-core refuses it with ``fp8`` unset, which the plug-in's config
+    check hides from it; the config builds, the router pads every expert's tokens to megatron-core's
+    FP8 alignment (16; MXFP8 32), the model trains with every decoder GEMM in FP8, its loss within
+    ``LOSS_RTOL`` of the unpadded router's (the padding tokens carry zero probability; only the
+    casts' amaxes see them). A dispatcher that cannot pad is refused naming the fix."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    _alltoall_on_cpu()
+    for recipe, alias in ((("tensorwise", "hybrid"), False), (("blockwise", "hybrid"), True),
+                          (("mxfp8", "e4m3"), False)):
+        name = "/".join(recipe)
+        plain = _build(_config(1, recipe, moe=True, moe_token_dispatcher_type="alltoall"))
+        flag = "moe_router_padding_for_fp8" if alias else "moe_router_padding_for_quantization"
+        padded_cfg = _config(1, recipe, moe=True, moe_token_dispatcher_type="alltoall", **{flag: True})
+        ck.true("padding", padded_cfg.moe_router_padding_for_quantization and padded_cfg.fp8 == recipe[1],
+                f"{name}, {flag}: after __post_init__: padding {padded_cfg.moe_router_padding_for_quantization}, "
+                f"fp8 {padded_cfg.fp8!r}")
+        padded = _build(padded_cfg)
+        copy_weights(plain, padded)
+        splits: list[list[int]] = []
+        hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, a, seen=splits: seen.append(a[1].tolist()))
+                 for layer in padded.decoder.layers]
+        ref, got = _step(plain), _step(padded)
+        for h in hooks:
+            h.remove()
+        align = get_align_size_for_quantization(padded_cfg)
+        ck.true("padding", len(splits) == 2 and all(m % align == 0 for s in splits for m in s),
+                f"{name}: tokens per expert {splits}, alignment {align}")
+        ck.true("padding", len(got[2]) >= 3 * len(_ours(padded)) and bool(torch.isfinite(got[0]))
+                and abs(got[0].item() - ref[0].item()) <= LOSS_RTOL * abs(ref[0].item()),
+                f"{name}: {len(got[2])} FP8 GEMMs; loss {got[0].item()} against {ref[0].item()} unpadded")
+    try:
+        _config(1, ("tensorwise", "hybrid"), moe=True, moe_router_padding_for_quantization=True)  # allgather
+    except ValueError as e:
+        ck.true("padding", "allgather" in str(e) and "alltoall" in str(e), f"raised {e}")
+    else:
+        ck.fail("padding", "router padding with the allgather dispatcher was accepted")
+
+
 def check_baseline_spec(ck: Checker, tp: int) -> None:
     """``baseline_spec``: Megatron's own linears, the plug-in's core attention."""
     from megatron.core.tensor_parallel import ColumnParallelLinear as MegatronColumn
@@ -348,6 +415,7 @@ def main() -> int:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
+    ck.guard("padding", "the router's padding for FP8", check_router_padding, ck)
     ck.guard("recompute", "our recompute vs megatron-core's", check_megatron_recompute_equal, ck)
     code = ck.report()
     parallel_state.destroy_model_parallel()
