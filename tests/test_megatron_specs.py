@@ -243,11 +243,48 @@ def test_recipe_from_megatron_transformer_config() -> None:
         (dict(fp8="e4m3", fp8_param=True), "config.fp8_param=True"),
         (dict(fp8="e4m3", fp8_wgrad=False), "config.fp8_wgrad=False"),
         (dict(fp8="e4m3", first_last_layers_bf16=True), "config.first_last_layers_bf16=True"),
+        (dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True), "config.fp8_output_proj=True"),
+        (dict(fp8="hybrid", fp4="e2m1"), "config.fp4='e2m1' with config.fp8='hybrid'"),
     ],
 )
 def test_recipe_from_megatron_errors_name_the_field(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         recipe_from_megatron(SimpleNamespace(**fields))
+
+
+@pytest.mark.parametrize(("start", "end", "ok"), [(1, 1, True), (0, 4, True), (5, 0, False), (0, -1, False)])
+def test_bf16_layer_counts_checked_per_stage(start: int, end: int, ok: bool) -> None:
+    """``first_last_layers_bf16`` (honoured per layer): megatron-core bounds the BF16 layer counts
+    by one pipeline stage's layers only where TE is installed; we check them ourselves."""
+    cfg = SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers=8,
+                          pipeline_model_parallel_size=2, num_layers_at_start_in_bf16=start,
+                          num_layers_at_end_in_bf16=end)
+    if ok:
+        assert recipe_from_megatron(cfg, per_layer=True) == Float8CurrentScaling(fp8_format=Format.HYBRID)
+    else:
+        with pytest.raises(ValueError, match=r"num_layers_at_(start|end)_in_bf16=.*between 0 and .* \(4\)"):
+            recipe_from_megatron(cfg, per_layer=True)
+    cfg.fp8_recipe, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16 = "delayed", 1, 1
+    # megatron-core's block opens one region for the whole forward under delayed scaling: no BF16 layers
+    with pytest.raises(ValueError, match=r"first_last_layers_bf16=True with fp8_recipe='delayed'"):
+        recipe_from_megatron(cfg, per_layer=True)
+
+
+def test_get_fp8_context_keeps_first_and_last_layers_in_bf16() -> None:
+    """Megatron's transformer block asks ``get_fp8_context(config, layer_no)`` per layer (all
+    recipes but delayed): under ``first_last_layers_bf16`` the first ``num_layers_at_start_in_bf16``
+    and last ``num_layers_at_end_in_bf16`` layers get a disabled region, the others ours."""
+    from megatron_fp8.autocast import current_fp8_state
+    from megatron_fp8.megatron.fp8 import get_fp8_context
+
+    cfg = SimpleNamespace(fp8="hybrid", fp8_recipe="blockwise", first_last_layers_bf16=True, num_layers=5,
+                          num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=2)
+    enabled = []
+    for layer_no in range(5):
+        with get_fp8_context(cfg, layer_no) as state:
+            assert current_fp8_state() is state and state.recipe == Float8BlockScaling(fp8_format=Format.HYBRID)
+            enabled.append(state.enabled)
+    assert enabled == [False, True, True, False, False]
 
 
 def test_fp8_context_enables_our_autocast() -> None:

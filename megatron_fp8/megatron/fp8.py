@@ -21,8 +21,9 @@ field                     mapping
 ========================  ==================================================================
 
 Settings that megatron_fp8 cannot honour are errors naming the field: ``fp8_param``,
-``fp8_dot_product_attention``, ``fp8_multi_head_attention``, ``fp8_wgrad=False``, and
-``first_last_layers_bf16`` in ``fp8_context`` (one region for the whole forward).
+``fp8_dot_product_attention``, ``fp8_multi_head_attention``, ``fp8_output_proj``,
+``fp8_wgrad=False``, ``fp4`` beside ``fp8``, and ``first_last_layers_bf16`` in ``fp8_context``
+(one region for the whole forward).
 
 ``get_fp8_context(config, layer_no, is_init)`` is the drop-in for megatron-core's function of that
 name, which Megatron's transformer block calls per layer (or once per forward for delayed
@@ -59,6 +60,8 @@ _UNSUPPORTED_ON = {
     "fp8_multi_head_attention": "attention runs in high precision with megatron_fp8; set it to False",
     "first_last_layers_bf16": "fp8_context is one region for the whole forward; set it to False, or "
                               "run those layers outside the region",
+    "fp8_output_proj": "the output layer stays megatron-core's own high-precision linear with megatron_fp8 (the "
+                       "FP8 LM head is Transformer Engine's); set it to False",
 }
 
 
@@ -82,10 +85,20 @@ def recipe_from_megatron(config: Any, *, per_layer: bool = False) -> Recipe | No
             continue
         if getattr(config, key, False):
             raise ValueError(f"config.{key}=True is not supported with megatron_fp8 layers: {fix}")
+    if getattr(config, "fp4", None):
+        raise ValueError(f"config.fp4={config.fp4!r} with config.fp8={fp8!r}: FP4 and FP8 cannot be used together "
+                         f"(and megatron_fp8 has no FP4 recipe); unset one of them")
+    if per_layer and getattr(config, "first_last_layers_bf16", False):
+        _check_bf16_layer_counts(config)
     if not getattr(config, "fp8_wgrad", True):
         raise ValueError("config.fp8_wgrad=False is not supported: megatron_fp8 runs all three GEMMs in FP8; "
                          "set fp8_wgrad=True")
     kind = _name(getattr(config, "fp8_recipe", "delayed"))
+    if kind == "delayed" and per_layer and getattr(config, "first_last_layers_bf16", False):
+        raise ValueError("config.first_last_layers_bf16=True with fp8_recipe='delayed': megatron-core opens one FP8 "
+                         "region for the whole forward under delayed scaling, so the first and last layers would "
+                         "train in FP8; use --fp8-recipe tensorwise, blockwise or mxfp8, or unset "
+                         "first_last_layers_bf16")
     if kind == "delayed":
         return DelayedScaling(
             margin=int(getattr(config, "fp8_margin", 0)),
@@ -101,6 +114,18 @@ def recipe_from_megatron(config: Any, *, per_layer: bool = False) -> Recipe | No
         return MXFP8BlockScaling(fp8_format=fmt)
     raise ValueError(f"config.fp8_recipe={kind!r} has no megatron_fp8 equivalent ('custom' is TE's quantizer "
                      f"factory); use 'delayed', 'tensorwise', 'blockwise' or 'mxfp8'")
+
+
+def _check_bf16_layer_counts(config: Any) -> None:
+    """megatron-core's bounds on ``num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16``
+    (0 to the layers of one pipeline stage), which its config check applies only with TE."""
+    stages = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    per_stage = int(getattr(config, "num_layers", 0) or 0) // stages
+    for key in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        n = getattr(config, key, 0)
+        if n is not None and not 0 <= n <= per_stage:
+            raise ValueError(f"config.{key}={n} with first_last_layers_bf16: must be between 0 and the layers of one "
+                             f"pipeline stage ({per_stage})")
 
 
 def _megatron_amax_group(config: Any) -> dist.ProcessGroup | None:
@@ -135,7 +160,8 @@ def fp8_context(
 # the config fields that decide get_fp8_context's recipe (cached per their values: Megatron asks
 # once per layer and forward, and the layers compare recipes by value when a new one arrives)
 _RECIPE_FIELDS = ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param",
-                  "fp8_dot_product_attention", "fp8_multi_head_attention", "first_last_layers_bf16", "fp8_wgrad")
+                  "fp8_dot_product_attention", "fp8_multi_head_attention", "first_last_layers_bf16", "fp8_wgrad",
+                  "fp8_output_proj", "fp4")
 _recipes: dict[tuple[Any, ...], Recipe | None] = {}
 
 
