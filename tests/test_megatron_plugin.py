@@ -93,6 +93,15 @@ def test_moe_experts_pad_and_run_fp8(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
+def test_full_and_module_recompute_under_fp8_without_te(report: dict) -> None:
+    # per rank, 3 recipes x (full, mlp: 15 gradients; moe + shared_experts: 33) x (GEMM count, loss,
+    # same parameters, every gradient bitwise, amax histories)
+    assert report["counts"]["layers"] == 3 * (2 * (4 + 15) + (4 + 33)) * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_router_padding_for_quantization_builds_and_trains(report: dict) -> None:
     # per rank: three recipes x (config, splits aligned, FP8 GEMMs and loss), and the refused dispatcher
     assert report["counts"]["padding"] == (3 * 3 + 1) * report["world"]

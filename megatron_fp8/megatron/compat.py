@@ -26,6 +26,11 @@ __post_init__``                   checks the FP8 fields, then megatron-core's ow
                                   The router's padding for FP8 (``moe_router_padding_for_
                                   quantization``), which megatron-core refuses with ``fp8``
                                   unset, is hidden with it and checked by its own rules
+``te_checkpoint`` (TE absent)     ``te_checkpoint``: ``recompute.checkpoint_layers``; megatron-core
+                                  recomputes layer chunks (``recompute_granularity='full'``) and
+                                  ``mlp`` / ``moe`` / ``shared_experts`` through TE's checkpoint
+                                  whenever ``config.fp8`` is set (the recompute must run in the
+                                  forward's FP8 state), which without TE is None or raises
 ``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
 _get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
                                   ``--spec`` objects through uncalled)
@@ -43,7 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..autocast import is_fp8_enabled
-from ..recompute import CheckpointWithoutOutput
+from ..recompute import CheckpointWithoutOutput, checkpoint_layers
 from .fp8 import get_fp8_context, recipe_from_megatron
 from .specs import import_megatron
 
@@ -88,6 +93,51 @@ def _replace_everywhere(name: str, old: Any, new: Any) -> None:
         if mod is not None and (mod_name == "megatron" or mod_name.startswith("megatron.")) \
                 and getattr(mod, name, None) is old:
             setattr(mod, name, new)
+
+
+# megatron-core modules that take TE's checkpoint under config.fp8 (module level or at call time
+# from the extension module); those present are imported at install so that all get ours
+_TE_CHECKPOINT_USERS = ("megatron.core.extensions.transformer_engine", "megatron.core.transformer.transformer_block",
+                        "megatron.core.recompute", "megatron.core.transformer.transformer_layer",
+                        "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.multi_token_prediction",
+                        "megatron.core.models.hybrid.hybrid_block")
+
+
+def te_checkpoint(forward_func: Callable[..., Any], distribute_saved_activations: bool,
+                  get_rng_state_tracker: Callable[[], Any] | None, tp_group: Any, *args: Any, **kwargs: Any) -> Any:
+    """megatron-core's ``te_checkpoint`` signature on ``recompute.checkpoint_layers`` (our layers'
+    FP8 state replayed; Megatron's CUDA RNG tracker is the one ``get_rng_state_tracker`` returns,
+    replayed with the other RNG states)."""
+    fn = functools.partial(forward_func, **kwargs) if kwargs else forward_func
+    return checkpoint_layers(fn, *args, distribute_saved_activations=distribute_saved_activations,
+                             tp_group=tp_group)
+
+
+te_checkpoint._megatron_fp8 = True  # type: ignore[attr-defined]
+
+
+def _patch_te_checkpoint() -> None:
+    """Without TE: ours in the megatron-core modules that call ``te_checkpoint`` (they hold None,
+    nothing, or the extension module's function that raises for want of TE), and wherever
+    another megatron module holds one of those."""
+    if have_te():
+        return
+    users = []
+    for name in _TE_CHECKPOINT_USERS:
+        try:
+            users.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    ext = sys.modules.get("megatron.core.extensions.transformer_engine")
+    raising = getattr(ext, "te_checkpoint", None) if ext is not None else None
+    for mod in users:
+        mod.te_checkpoint = te_checkpoint  # type: ignore[attr-defined]
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "megatron" or mod_name.startswith("megatron.")):
+            continue
+        held = vars(mod).get("te_checkpoint", te_checkpoint)
+        if held is None or held is raising:
+            mod.te_checkpoint = te_checkpoint  # type: ignore[attr-defined]
 
 
 def _te_safe(is_te_min_version: Callable[..., bool]) -> Callable[..., bool]:
@@ -203,6 +253,8 @@ def patch_megatron(layer_spec: Callable[..., Any]) -> None:
     cls = config_mod.TransformerConfig
     if not getattr(cls.__post_init__, "_megatron_fp8", False):
         cls.__post_init__ = _post_init_without_te(cls.__post_init__)
+
+    _patch_te_checkpoint()
 
     block = import_megatron("megatron.core.transformer.transformer_block", "megatron_fp8.megatron.plugin")
     if not getattr(block._get_block_submodules, "_megatron_fp8", False):

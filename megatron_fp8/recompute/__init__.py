@@ -37,6 +37,9 @@ Contract (what this module checks, and the errors it raises):
 - **Evaluation**: under ``torch.no_grad()`` ``checkpoint`` just calls ``fn`` and the discard is
   a no-op.
 
+``checkpoint_layers`` is the plain activation checkpoint (whole layers, MLPs) in the same
+environment: megatron-core's full and module recompute under FP8 without Transformer Engine.
+
 Delayed scaling inside ``fn`` (e.g. the MLA up-projection): the recompute casts with the scales
 the forward used and records no amax, so a recompute running after later micro-batches' forwards
 (pipelining) still reproduces the forward bitwise and leaves the amax history untouched.
@@ -44,10 +47,12 @@ the forward used and records no amax, so a recompute running after later micro-b
 
 from .core import CheckpointWithoutOutput, recompute_discarding_output
 from .guard import DiscardedOutputError, MissingSaveOriginalInputError
+from .layers import checkpoint_layers
 
 __all__ = [
     "CheckpointWithoutOutput",
     "DiscardedOutputError",
     "MissingSaveOriginalInputError",
+    "checkpoint_layers",
     "recompute_discarding_output",
 ]

@@ -3,6 +3,7 @@ that records consumers (and their ``save_original_input`` flag), the shared stat
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -163,6 +164,19 @@ class _ModuleWatch:
             for h in cls.handles:
                 h.remove()
             cls.handles = []
+
+
+@contextlib.contextmanager
+def recording_modules() -> Iterator[list[nn.Module]]:
+    """The modules called inside the block, in call order (the global hooks installed meanwhile)."""
+    modules: list[nn.Module] = []
+    _ModuleWatch.acquire()
+    _ModuleWatch.recording.append(modules)
+    try:
+        yield modules
+    finally:
+        _ModuleWatch.recording.pop()
+        _ModuleWatch.release()
 
 
 def _on_module_kwargs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:

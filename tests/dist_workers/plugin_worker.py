@@ -34,6 +34,10 @@ Categories of the JSON report:
   config, and a ``MEGATRON_FP8_CONFIG`` file with an ``fp8:`` section raise, naming the fix.
 * ``moe``: an MoE GPT (4 experts, top-2, shared expert, grouped GEMM, real router: uneven
   splits) under each recipe: FP8 GEMMs ran, splits were padded to the recipe's alignment.
+* ``layers``: megatron-core's full recompute and its ``mlp`` / ``moe`` / ``shared_experts`` module
+  recompute under ``config.fp8`` without TE (its ``te_checkpoint`` replaced): two micro-batches in
+  a pipeline's order, losses, gradients and delayed scaling's amax histories bitwise those of
+  the model without recompute.
 * ``padding``: Megatron's ``moe_router_padding_for_quantization`` (and its alias) under
   ``config.fp8`` builds (megatron-core alone refuses it without TE) and trains, every expert's
   tokens a multiple of megatron-core's alignment; the allgather dispatcher is refused.
@@ -190,6 +194,63 @@ def compare_recompute(ck: Checker, name: str, off: tuple, on: tuple, last: str) 
             ck.bitwise("recompute", f"{name} grad {n}", grads1.get(n), g)
         else:
             ck.close("recompute", f"{name} grad {n}", grads1.get(n), g, RECOMPUTE_RTOL)
+
+
+def _interleaved(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[gemm.GemmCall], str]:
+    """Two micro-batches as a pipeline schedule runs them: both forwards, then both backwards
+    (the first one's recompute runs after the second forward, i.e. after delayed scaling moved
+    on to a new step and scale)."""
+    tokens, pos, mask, labels = gpt_batch(VOCAB, SEQ, BATCH)
+    model.zero_grad(set_to_none=True)
+    out = io.StringIO()
+    with gemm.record_gemms() as calls, contextlib.redirect_stdout(out):
+        first = model(tokens, pos, mask, labels=labels).float().mean()
+        second = model(tokens.roll(1, dims=1), pos, mask, labels=labels.roll(1, dims=1)).float().mean()
+        first.backward()
+        second.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack([first.detach(), second.detach()]), grads, list(calls), out.getvalue()
+
+
+def _histories(model: GPTModel) -> dict[str, torch.Tensor]:
+    """Every delayed-scaling quantizer's amax history (name.key.role)."""
+    out = {}
+    for name, mod in _ours(model).items():
+        for key, lq in mod._quantizers.items():
+            for role in ("input", "weight", "grad_output"):
+                hist = getattr(getattr(lq, role), "amax_history", None)
+                if hist is not None:
+                    out[f"{name}.{key}.{role}"] = hist.clone()
+    return out
+
+
+def check_layer_recompute(ck: Checker) -> None:
+    """megatron-core's full recompute (layer chunks) and its ``mlp`` / ``moe`` / ``shared_experts``
+    module recompute under ``config.fp8`` go through TE's checkpoint, which the plug-in replaces
+    without TE (``recompute.checkpoint_layers``): per recipe, two micro-batches in a pipeline's
+    order (``_interleaved``), the losses and every gradient bitwise those of the same model without
+    recompute, and delayed scaling's amax histories too (the recompute casts with its forward's
+    scales, not the later micro-batch's, and records nothing)."""
+    cases = [("full", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), False),
+             ("mlp", dict(recompute_granularity="selective", recompute_modules=["mlp"]), False),
+             ("moe, shared_experts",
+              dict(recompute_granularity="selective", recompute_modules=["moe", "shared_experts"]), True)]
+    for recipe in RECIPES[:3]:
+        for what, kw, moe in cases:
+            name = f"{what} {'/'.join(recipe)}"
+            base = _build(_config(1, recipe, moe=moe))
+            again = _build(_config(1, recipe, moe=moe, **kw))
+            copy_weights(base, again)
+            off, on = _interleaved(base), _interleaved(again)
+            # the recomputed forwards' GEMMs are recorded too: more than without recompute
+            ck.true("layers", len(on[2]) > len(off[2]), f"{name}: {len(on[2])} FP8 GEMMs against {len(off[2])}")
+            ck.bitwise("layers", f"{name} loss", on[0], off[0])
+            ck.true("layers", sorted(off[1]) == sorted(on[1]), f"{name}: different parameters got gradients")
+            for n, g in off[1].items():
+                ck.bitwise("layers", f"{name} grad {n}", on[1].get(n), g)
+            hist0, hist1 = _histories(base), _histories(again)
+            same = sorted(hist0) == sorted(hist1) and all(torch.equal(hist1[k], v) for k, v in hist0.items())
+            ck.true("layers", same, f"{name}: amax histories differ after the step")
 
 
 def check_megatron_recompute_equal(ck: Checker) -> None:
@@ -417,6 +478,7 @@ def main() -> int:
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
     ck.guard("padding", "the router's padding for FP8", check_router_padding, ck)
     ck.guard("recompute", "our recompute vs megatron-core's", check_megatron_recompute_equal, ck)
+    ck.guard("layers", "megatron-core's layer recompute under config.fp8", check_layer_recompute, ck)
     code = ck.report()
     parallel_state.destroy_model_parallel()
     shutdown()

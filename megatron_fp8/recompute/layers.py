@@ -1,0 +1,106 @@
+"""Activation checkpointing of whole computations (layers, MLPs) with the forward's FP8 environment:
+megatron-core's full and module recompute under ``config.fp8`` for our layers.
+
+megatron-core recomputes a layer chunk (``--recompute-granularity full``), a layer's MLP, its MoE
+block or shared experts (``--recompute-modules mlp moe shared_experts``) through
+``tensor_parallel.checkpoint`` in high precision, but through Transformer Engine's checkpoint
+(``te_checkpoint``) whenever ``config.fp8`` is set, because a recompute must run in the FP8 state of
+its forward. Without TE that function raises (or is ``None``). ``checkpoint_layers`` is the same
+contract for our layers, in plain PyTorch:
+
+- forward runs ``fn(*args)`` without a graph and saves only ``args`` (with
+  ``distribute_saved_activations``, the first one split across the tensor-parallel group, as
+  Megatron's checkpoint does, and gathered again for backward);
+- backward re-runs ``fn`` on them with the forward's RNG states (CPU, CUDA, Megatron's CUDA RNG
+  tracker), FP8 region, torch autocast and, for delayed scaling, the scales the forward cast
+  with (no amax recorded, no history rolled: ``replay._Environment``, as the output-discarding
+  recompute uses), then backpropagates through it.
+
+So the recompute casts what the forward cast, bit for bit, and the step's gradients are those of
+the model without recompute (tests/dist_workers/plugin_worker.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .guard import recording_modules
+from .replay import _Environment
+
+__all__ = ["checkpoint_layers"]
+
+
+def _tp_split(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """This rank's equal 1-D share of ``x`` (a copy), or None where there is nothing to split."""
+    if group is None or not dist.is_initialized():
+        return None
+    size = dist.get_world_size(group)
+    if size == 1 or x.numel() % size:
+        return None
+    share = x.numel() // size
+    rank = dist.get_rank(group)
+    return x.detach().reshape(-1)[rank * share:(rank + 1) * share].clone(), tuple(x.shape)
+
+
+def _tp_gather(share: torch.Tensor, shape: tuple[int, ...], group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(share) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, share.contiguous(), group=group)
+    return torch.cat(parts).view(shape)
+
+
+class _LayerCheckpoint(torch.autograd.Function):
+    """``fn(*args)`` without a graph; backward replays it in the forward's environment."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Any], tp_group: Any, *args: Any) -> Any:  # type: ignore[override]
+        ctx.fn, ctx.group = fn, tp_group
+        ctx.env = _Environment.capture(args)
+        with recording_modules() as modules, torch.no_grad():
+            outputs = fn(*args)
+        ctx.env.record_delayed_scales(modules)
+        ctx.tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        saved = [args[i] for i in ctx.tensor_idx]
+        ctx.split = None
+        if tp_group is not None and saved:
+            ctx.split = _tp_split(saved[0], tp_group)
+            if ctx.split is not None:
+                saved[0] = ctx.split[0]
+        ctx.save_for_backward(*saved)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        saved = list(ctx.saved_tensors)
+        if ctx.split is not None:
+            saved[0] = _tp_gather(saved[0], ctx.split[1], ctx.group)
+        args: list[Any] = [None] * (len(saved) + len(ctx.others))
+        for i, t in zip(ctx.tensor_idx, saved):
+            d = t.detach()
+            d.requires_grad_(t.requires_grad)
+            args[i] = d
+        for i, v in ctx.others.items():
+            args[i] = v
+        with ctx.env.replay(), torch.enable_grad():
+            outputs = ctx.fn(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in args])
+
+
+def checkpoint_layers(fn: Callable[..., Any], *args: Any, distribute_saved_activations: bool = False,
+                      tp_group: Any = None) -> Any:
+    """``fn(*args)``, keeping only ``args`` for backward, where ``fn`` is re-run in the forward's
+    RNG, FP8 and autocast state (module docstring). ``distribute_saved_activations``: save only
+    this rank's share of the first tensor argument across ``tp_group``. Under ``no_grad`` it is a
+    plain call."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return _LayerCheckpoint.apply(fn, tp_group if distribute_saved_activations else None, *args)
