@@ -65,6 +65,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         ctx.tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         saved = [args[i] for i in ctx.tensor_idx]
+        ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
         if tp_group is not None and saved:
             ctx.split = _tp_split(saved[0], tp_group)
@@ -79,9 +80,9 @@ class _LayerCheckpoint(torch.autograd.Function):
         if ctx.split is not None:
             saved[0] = _tp_gather(saved[0], ctx.split[1], ctx.group)
         args: list[Any] = [None] * (len(saved) + len(ctx.others))
-        for i, t in zip(ctx.tensor_idx, saved):
+        for i, t, needs in zip(ctx.tensor_idx, saved, ctx.needs_grad):
             d = t.detach()
-            d.requires_grad_(t.requires_grad)
+            d.requires_grad_(needs)
             args[i] = d
         for i, v in ctx.others.items():
             args[i] = v

@@ -253,6 +253,23 @@ def check_layer_recompute(ck: Checker) -> None:
             ck.true("layers", same, f"{name}: amax histories differ after the step")
 
 
+def check_distributed_recompute(ck: Checker, tp: int) -> None:
+    """Full recompute at TP=``tp`` with ``distribute_saved_activations`` (each rank keeps 1/tp of
+    a chunk's input, gathered for backward): losses and gradients bitwise without recompute."""
+    kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+              distribute_saved_activations=True)
+    for recipe in (("tensorwise", "hybrid"), ("blockwise", "hybrid")):
+        name = f"TP={tp} distributed {'/'.join(recipe)}"
+        base, again = _build(_config(tp, recipe)), _build(_config(tp, recipe, **kw))
+        copy_weights(base, again)
+        off, on = _interleaved(base), _interleaved(again)
+        ck.bitwise("layers", f"{name} loss", on[0], off[0])
+        ck.true("layers", sorted(off[1]) == sorted(on[1]) and len(on[2]) > len(off[2]),
+                f"{name}: parameters with gradients or GEMM counts differ")
+        for n, g in off[1].items():
+            ck.bitwise("layers", f"{name} grad {n}", on[1].get(n), g)
+
+
 def check_megatron_recompute_equal(ck: Checker) -> None:
     """FP8 off (megatron-core's class then needs no TE): our recompute equals Megatron's own."""
     import megatron.core.tensor_parallel as mtp
@@ -473,6 +490,7 @@ def main() -> int:
     ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
     ck.guard("sp", "sequence parallelism through the plug-in", check_sequence_parallel, ck, world)
     ck.guard("warn", "megatron-core's own linears under config.fp8 named", check_high_precision_warning, ck, world)
+    ck.guard("layers", "full recompute with distributed saved activations", check_distributed_recompute, ck, world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
