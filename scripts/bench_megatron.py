@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -201,6 +202,7 @@ def _command(args: argparse.Namespace, config: str, v: Variant, rules: str) -> t
         cmd += ["--fp8-format", v.fmt, "--fp8-recipe", v.recipe]
         if v.recipe == "delayed":
             cmd += ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
+    cmd += shlex.split(getattr(args, "megatron_args", "") or "")  # the user's own, in every variant
     if getattr(args, "profile", False):  # Megatron's own torch.profiler window: one iteration after the warm-up
         start = min(WARMUP_ITERS + 2, args.iters - 1)
         cmd += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end",
@@ -417,6 +419,9 @@ def main() -> int:
                          "on, as Megatron runs by default (torch.compile'd); those needing apex or TE stay off; "
                          "rope: megatron's and its RoPE fusion, from our plug-in, in every variant with a spec "
                          "of ours (the baselines too)")
+    ap.add_argument("--megatron-args", default="", metavar="ARGS",
+                    help="more Megatron-LM arguments for every variant, one string (e.g. \"--recompute-granularity "
+                         "full --recompute-method uniform --recompute-num-layers 1\")")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if args.from_log:

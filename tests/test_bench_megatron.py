@@ -369,3 +369,16 @@ def test_pyspy_summary_splits_wall_time_by_phase() -> None:
     text = trace_step.pyspy_table(procs["12 python -u pretrain_gpt.py --fp8-format hybrid"], rate=100)
     assert "| forward | 40.0% | 30.0% |" in text and "MainThread: 100 samples, 1.0 s sampled" in text
     assert "thread 13: 25 samples" in text and "| outside train_step | 100.0% | 100.0% |" in text
+
+
+def test_megatron_args_reach_every_variant() -> None:
+    """``--megatron-args``: one string of Megatron-LM arguments, split as a shell would, appended
+    to every variant's command (baseline and ours alike)."""
+    import argparse
+
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2,
+                              megatron_args="--recompute-granularity full --recompute-method 'uniform'")
+    for name in ("megatron-bf16", "ours-tensorwise", "ours-blockwise-fullgraph"):
+        cmd = bm._command(args, "dense-1b", bm.variants([name])[0], "")[0]
+        i = cmd.index("--recompute-granularity")
+        assert cmd[i:i + 4] == ["--recompute-granularity", "full", "--recompute-method", "uniform"]
