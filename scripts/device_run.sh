@@ -110,7 +110,9 @@ for what in "${steps[@]}"; do
     # special values), then its time against the unfused chain's on dense-8b's q and k
     rope) (PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -p no:logging tests/test_rope.py \
         && PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 scripts/probes/rope_speed.py) 2>&1 | tee "$OUT/rope.log" ;;
-    megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
+    # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
+    megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
+        ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
     *) echo "unknown step $what" ;;
   esac
 done
