@@ -115,7 +115,8 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         t, cos, sin = t.view(torch.int16), cos.view(torch.int16), sin.view(torch.int16)
     _rope((cdiv(n, br),), t, cos, sin, out, n, b, h, t.stride(0), t.stride(1), t.stride(2),
           cos.stride(0), cos.stride(1) if cos.shape[1] > 1 else 0, d, rot, rot // 2,
-          BACKWARD=backward, INTERLEAVED=interleaved, BF16=bf16, BR=br, BD=bd)
+          BACKWARD=backward, INTERLEAVED=interleaved, BF16=bf16, BR=br, BD=bd,
+          enable_fp_fusion=False)  # no FMA: the unfused chain rounds each product (FP16 failed on an H100)
     if bf16:
         return out.view(torch.bfloat16)
     return out
