@@ -25,7 +25,8 @@ esac
 
 # The plug-in is the --spec below; starting through megatron_fp8.megatron.launch installs it before
 # megatron-core validates the config, which it must for MoE (or layernorm / moe_act recompute) with
-# --fp8-format and no Transformer Engine. --count-gemms prints the FP8 GEMMs per backend at exit.
+# --fp8-format and no Transformer Engine, and for Megatron's RoPE fusion (on by default; the plug-in's
+# kernel when TE is absent). --count-gemms prints the FP8 GEMMs per backend at exit.
 PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
 torchrun --standalone --nproc_per_node "${GPUS:-1}" -m megatron_fp8.megatron.launch --count-gemms \
   "$MEGATRON_LM/pretrain_gpt.py" \
@@ -36,7 +37,7 @@ torchrun --standalone --nproc_per_node "${GPUS:-1}" -m megatron_fp8.megatron.lau
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
   --untie-embeddings-and-output-weights --bf16 --transformer-impl local \
   --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion \
-  --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm --attention-softmax-in-fp32 \
+  --no-bias-dropout-fusion --no-persist-layer-norm --attention-softmax-in-fp32 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
   --train-iters 50 --log-interval 10 --eval-iters 0 --eval-interval 1000000 \
   --lr 1e-4 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0 --seed 1234 \
