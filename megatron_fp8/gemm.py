@@ -31,6 +31,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ class _State:
 
     def __init__(self) -> None:
         self.forced: Backend | None = None
-        self.records: list[list[GemmCall]] = []
+        self.records: list[Any] = []  # open record_gemms() collections (lists, or tallies)
 
 
 _state = _State()
@@ -177,9 +178,10 @@ def force_backend(backend: Backend | str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def record_gemms() -> Iterator[list[GemmCall]]:
-    """Collect a ``GemmCall`` for every GEMM run inside the block."""
-    calls: list[GemmCall] = []
+def record_gemms(into: Any = None) -> Iterator[Any]:
+    """Collect a ``GemmCall`` for every GEMM run inside the block: into a new list, or into
+    ``into`` (anything with ``append``, e.g. a tally that keeps counts, not calls)."""
+    calls = [] if into is None else into
     _state.records.append(calls)
     try:
         yield calls

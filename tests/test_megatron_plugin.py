@@ -11,6 +11,10 @@ it patches megatron-core process-wide.
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -188,3 +192,25 @@ def test_launcher_needs_a_script() -> None:
         main([])
     with pytest.raises(SystemExit, match="does not exist"):
         main(["no_such_pretrain_gpt.py"])
+
+
+def test_count_gemms_reports_counts_per_kernel_at_exit(tmp_path: Path) -> None:
+    """``launch --count-gemms SCRIPT``: at exit, the FP8 GEMMs of the run per kernel and the FP8
+    forwards per path; it keeps counts, not one record per GEMM (a long run would pile them up)."""
+    pytest.importorskip("megatron.core")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, megatron_fp8 as mf\n"
+        "from megatron_fp8 import gemm\n"
+        "from megatron_fp8.recipe import Float8CurrentScaling\n"
+        "layer = mf.Linear(64, 32, bias=False)\n"
+        "for _ in range(2):\n"
+        "    with mf.fp8_autocast(fp8_recipe=Float8CurrentScaling()):\n"
+        "        layer(torch.randn(16, 64, requires_grad=True)).sum().backward()\n"
+        "print('kept', sum(len(r) for r in gemm._state.records if isinstance(r, list)))\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_fp8.megatron.launch", "--count-gemms", str(script)],
+                          capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kept 0" in proc.stdout
+    assert re.search(r"megatron_fp8 \[rank 0\]: 6 FP8 GEMMs \((emulate|native) 6\)", proc.stdout), proc.stdout
+    assert "megatron_fp8 [rank 0]: 2 FP8 layer forwards (general linear 2)" in proc.stdout

@@ -34,13 +34,26 @@ def _kind(call: GemmCall) -> str:
     return last if last in ("cublaslt", "triton") else call.backend.value
 
 
+class _Tally:
+    """What ``--count-gemms`` keeps of a recorded GEMM: its kernel's count. A list of the calls
+    would grow by every GEMM of every step for the whole run (long-lived objects that Python's
+    collector walks again and again)."""
+
+    def __init__(self) -> None:
+        self.kinds: collections.Counter[str] = collections.Counter()
+
+    def append(self, call: GemmCall) -> None:
+        self.kinds[_kind(call)] += 1
+
+
 def _count_gemms() -> None:
-    """Record every FP8 GEMM of the run; print the counts per backend at exit."""
+    """Count every FP8 GEMM of the run per kernel; print the counts at exit."""
     from .. import gemm
     from ..ops import paths
 
-    recording, counting = gemm.record_gemms(), paths.count_paths()
-    calls = recording.__enter__()  # open for the whole process (the references keep them open)
+    tally_of = _Tally()
+    recording, counting = gemm.record_gemms(tally_of), paths.count_paths()
+    recording.__enter__()  # open for the whole process (the references keep them open)
     forwards = counting.__enter__()
 
     def tally(counts: collections.Counter[str]) -> str:
@@ -48,8 +61,8 @@ def _count_gemms() -> None:
 
     def report() -> None:
         rank = os.environ.get("RANK", "0")
-        kinds = collections.Counter(_kind(c) for c in calls)
-        print(f"megatron_fp8 [rank {rank}]: {len(calls)} FP8 GEMMs ({tally(kinds)})", flush=True)
+        kinds = tally_of.kinds
+        print(f"megatron_fp8 [rank {rank}]: {sum(kinds.values())} FP8 GEMMs ({tally(kinds)})", flush=True)
         print(f"megatron_fp8 [rank {rank}]: {sum(forwards.values())} FP8 layer forwards ({tally(forwards)})",
               flush=True)
 
