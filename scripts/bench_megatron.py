@@ -13,7 +13,8 @@ graph (``--cuda-graph-impl full_iteration``: forward and backward of every micro
 at iteration 3 and replayed after), rated against Megatron's BF16 run the same way. Time per
 iteration is Megatron's own log ("elapsed time per iteration"), the median over the log intervals
 ending after iteration 10 (warm-up; in a short run, after the first two; 30 iterations by
-default); peak memory is its ``max allocated`` report. Prints a table, writes
+default); an interval over 20% slower than that median is named with the mean over the intervals
+(a one-off stall the median leaves out); peak memory is its ``max allocated`` report. Prints a table, writes
 ``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``.
 
     python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
@@ -164,6 +165,18 @@ class Result:
 
 
 DRIFT = 0.10  # intervals whose first and last differ by more than this share of their median: not steady
+
+
+SPIKE = 0.20  # an interval this much slower than the median is a stall the median leaves out
+
+
+def spikes(intervals: tuple[float, ...]) -> list[float]:
+    """The steady intervals more than ``SPIKE`` slower than their median (a one-off stall: the
+    median leaves it out, the run's mean does not)."""
+    if len(intervals) < 3:
+        return []
+    mid = statistics.median(intervals)
+    return [t for t in intervals if t > mid * (1 + SPIKE)]
 
 
 def drift(intervals: tuple[float, ...]) -> float | None:
@@ -354,6 +367,12 @@ def table(results: list[Result]) -> str:
             notes.append(f"forwards: {r.forwards}")
         if r.loss is not None:
             notes.append(f"last lm loss {r.loss:.4f}")
+        slow = spikes(r.intervals)
+        if slow:  # the mean over the same intervals, and the ratio of means where the baseline has one
+            mean = statistics.fmean(r.intervals)
+            ref = next((b for b in results if (b.config, b.variant) == key and b.intervals), None)
+            by_means = f", {statistics.fmean(ref.intervals) / mean:.3f}x by means" if ref is not None else ""
+            notes.append(f"SLOW INTERVAL {' / '.join(f'{t:.0f}' for t in slow)} ms: mean {mean:.1f} ms/iter{by_means}")
         d = drift(r.intervals)
         if d is not None:
             notes.append(f"NOT STEADY, intervals {' / '.join(f'{t:.0f}' for t in r.intervals)} ms ({d:+.0%} first "

@@ -51,6 +51,21 @@ def test_table_flags_intervals_that_are_not_steady() -> None:
     assert bm.drift(steady.intervals) is None and "NOT STEADY" not in bm.table([steady])  # -7%: within 10%
 
 
+def test_table_names_a_slow_interval_with_the_means() -> None:
+    """Run AR's shape: one interval of ours ~30% over its median (a one-off stall): the median
+    leaves it out, so the table names it with the mean over the intervals and the ratio of means
+    against the baseline (whose intervals are steady)."""
+    base = bm.parse("dense-8b", bm.Variant("megatron-bf16", False),
+                    _megatron_log([900.0, 300.0, 280.0, 250.9, 245.0, 243.2, 244.7], 1.0, None), 0, 16384)
+    ours = bm.parse("dense-8b", bm.Variant("ours-tensorwise", True, "tensorwise"),
+                    _megatron_log([900.0, 300.0, 280.0, 207.9, 202.2, 201.6, 268.8], 1.0, None), 0, 16384)
+    assert bm.spikes(base.intervals) == [] and bm.spikes(ours.intervals) == [268.8]
+    text = bm.table([base, ours])
+    assert "1.194x" in text  # the medians' ratio, as before
+    assert "SLOW INTERVAL 269 ms: mean 220.1 ms/iter, 1.117x by means" in text
+    assert "SLOW INTERVAL" not in text.splitlines()[1]  # the baseline's row
+
+
 def test_from_log_rebuilds_results_and_table(tmp_path: os.PathLike[str]) -> None:
     log = os.path.join(tmp_path, "bench_megatron.log")
     with open(log, "w") as f:
