@@ -56,7 +56,7 @@ def test_sequence_parallelism_through_the_plugin(report: dict) -> None:
 @pytest.mark.megatron
 def test_megatrons_own_linears_under_fp8_are_named(report: dict) -> None:
     # per rank: the baseline spec's linears named once on rank 0 (none elsewhere), ours never
-    assert report["counts"]["warn"] == 4 * report["world"]
+    assert report["counts"]["warn"] == 5 * report["world"]  # and the hook with two pipeline chunks
     assert report["failures"] == 0
 
 

@@ -379,3 +379,45 @@ def test_misuse_errors() -> None:
         ckpt.discard_output_and_register_recompute(h)
     with pytest.raises(RuntimeError, match="one-shot"):
         ckpt.checkpoint(nn.LayerNorm(H), x)
+
+
+# ---- checkpoint_layers: megatron-core's layer recompute under FP8 (recompute/layers.py) ----
+def test_checkpoint_layers_equals_plain_backward_and_keeps_a_returned_parameter_a_leaf() -> None:
+    """A block with dropout and an FP8 linear, returning its bias as it is (a row linear with
+    skip_bias_add does): outputs and every gradient bitwise those of the plain block; the bias
+    stays a leaf (autograd would otherwise make the parameter an output of the checkpoint, and its
+    backward would call itself without end)."""
+    from megatron_fp8.recompute import checkpoint_layers
+
+    torch.manual_seed(0)
+    lin = Linear(64, 64, bias=False)
+    bias = torch.nn.Parameter(torch.randn(64))
+
+    def block(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.nn.functional.dropout(lin(t), 0.3), bias
+
+    x = torch.randn(16, 64)
+    results = []
+    for ckpt in (False, True):
+        xi = x.clone().requires_grad_()
+        lin.zero_grad()
+        bias.grad = None
+        torch.manual_seed(1)
+        with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            out, b = checkpoint_layers(block, xi) if ckpt else block(xi)
+        assert b.is_leaf == (not ckpt) and bias.is_leaf and bias.grad_fn is None
+        ((out + b) ** 2).sum().backward()
+        results.append((out.detach(), xi.grad, lin.weight.grad.clone(), bias.grad.clone()))
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
+def test_checkpoint_layers_gives_parameters_gradients_without_input_grads_and_refuses_autograd_grad() -> None:
+    from megatron_fp8.recompute import checkpoint_layers
+
+    lin = torch.nn.Linear(8, 8)
+    checkpoint_layers(lin, torch.randn(4, 8)).sum().backward()  # no input needs grad: an anchor does
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"needs \.backward\(\)"):
+        torch.autograd.grad(checkpoint_layers(lin, x).sum(), x)

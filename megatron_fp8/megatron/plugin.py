@@ -144,7 +144,7 @@ class _FirstForward:
                 self._model_done()
             return
         self.done.add(module)
-        self.done.add(root)
+        self.done.update(root.modules())  # its own parts (an embedding, a block) are not models of their own
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
         config = getattr(ours[0], "config", None)
         notes = _whole_iteration_graph(config) if config is not None and whole_iteration_graph(config) else []

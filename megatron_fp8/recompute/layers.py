@@ -56,12 +56,16 @@ class _LayerCheckpoint(torch.autograd.Function):
     """``fn(*args)`` without a graph; backward replays it in the forward's environment."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[..., Any], tp_group: Any, *args: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, fn: Callable[..., Any], tp_group: Any, anchor: torch.Tensor | None,  # type: ignore[override]
+                *args: Any) -> Any:
         ctx.fn, ctx.group = fn, tp_group
         ctx.env = _Environment.capture(args)
         with recording_modules() as modules, torch.no_grad():
             outputs = fn(*args)
         ctx.env.record_delayed_scales(modules)
+        # a tensor ``fn`` hands back as it is (a layer's bias with skip_bias_add) leaves as an alias:
+        # autograd would otherwise make the parameter itself an output of this function
+        outputs = _alias_leaves(outputs, args)
         ctx.tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         saved = [args[i] for i in ctx.tensor_idx]
@@ -76,6 +80,9 @@ class _LayerCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("megatron_fp8 checkpoint_layers: the recompute needs .backward(); "
+                               "torch.autograd.grad would put the parameters' gradients in their .grad")
         saved = list(ctx.saved_tensors)
         if ctx.split is not None:
             saved[0] = _tp_gather(saved[0], ctx.split[1], ctx.group)
@@ -93,7 +100,18 @@ class _LayerCheckpoint(torch.autograd.Function):
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in args])
+        return (None, None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in args])
+
+
+def _alias_leaves(outputs: Any, args: tuple[Any, ...]) -> Any:
+    """``outputs`` with every tensor that requires grad and is none of ``args`` (under no_grad:
+    a leaf such as a parameter, handed back as it is) replaced by a detached alias."""
+    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+
+    def alias(o: Any) -> Any:
+        return o.detach() if isinstance(o, torch.Tensor) and o.requires_grad and id(o) not in inputs else o
+
+    return tuple(alias(o) for o in outputs) if isinstance(outputs, tuple) else alias(outputs)
 
 
 def checkpoint_layers(fn: Callable[..., Any], *args: Any, distribute_saved_activations: bool = False,
@@ -104,4 +122,8 @@ def checkpoint_layers(fn: Callable[..., Any], *args: Any, distribute_saved_activ
     plain call."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    return _LayerCheckpoint.apply(fn, tp_group if distribute_saved_activations else None, *args)
+    # no input needing grad (e.g. a frozen embedding's output): an anchor makes the outputs need it,
+    # so backward reaches the recompute and ``fn``'s parameters get their gradients
+    needs = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    anchor = None if needs else torch.empty(0, requires_grad=True)
+    return _LayerCheckpoint.apply(fn, tp_group if distribute_saved_activations else None, anchor, *args)

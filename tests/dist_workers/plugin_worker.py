@@ -459,6 +459,54 @@ def check_high_precision_warning(ck: Checker, tp: int) -> None:
                     and "output_layer" not in said[0], f"baseline under config.fp8: {said}")
 
 
+def check_hook_with_pipeline_chunks(ck: Checker) -> None:
+    """Two virtual-pipeline chunks, the first holding an embedding (a module of Megatron's own with
+    a ``config``): each chunk is configured at its first forward, the embedding is not taken for a
+    model, and the hook goes once both chunks ran."""
+    from megatron_fp8.parallel import ColumnParallelLinear
+
+    class Emb(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config, self.w = SimpleNamespace(fp8=None), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w(x)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, emb: bool) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(fp8=None)
+            self.emb = Emb() if emb else None
+            self.lin = ColumnParallelLinear(8, 8, config=SimpleNamespace(
+                tensor_model_parallel_size=1, sequence_parallel=False, params_dtype=torch.float32,
+                use_cpu_initialization=True, fp8=None), bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.emb(x) if self.emb is not None else x)[0]
+
+    configured: list[str] = []
+    chunks, summary, rules = plugin._pipeline_chunks, plugin._summary, os.environ.pop("MEGATRON_FP8_CONFIG", None)
+    plugin._pipeline_chunks = lambda: 2
+    plugin._summary = lambda root, plan, config: (configured.append(type(root).__name__), "")[1]
+    try:
+        if plugin._hook.handle is not None:  # re-armed below without this worker's YAML rules
+            plugin._hook.handle.remove()
+            plugin._hook.handle = None
+        plugin.install()
+        first, second = Chunk(True), Chunk(False)
+        first(torch.randn(2, 8))
+        armed = plugin._hook.handle is not None
+        second(torch.randn(2, 8))
+        ck.true("warn", armed and configured == ["Chunk", "Chunk"] and plugin._hook.handle is None,
+                f"chunks configured {configured}, hook armed after the first {armed}, after both "
+                f"{plugin._hook.handle is not None}")
+    finally:
+        plugin._pipeline_chunks, plugin._summary = chunks, summary
+        if rules is not None:
+            os.environ["MEGATRON_FP8_CONFIG"] = rules
+
+
 def check_errors(ck: Checker) -> None:
     for bad, match in ((None, "needs Megatron's model config"), (object(), "expected Megatron's model config")):
         try:
@@ -490,6 +538,7 @@ def main() -> int:
     ck.guard("gemms", "dense GPT under config.fp8", check_dense, ck, world)
     ck.guard("sp", "sequence parallelism through the plug-in", check_sequence_parallel, ck, world)
     ck.guard("warn", "megatron-core's own linears under config.fp8 named", check_high_precision_warning, ck, world)
+    ck.guard("warn", "the first-forward hook with pipeline chunks", check_hook_with_pipeline_chunks, ck)
     ck.guard("layers", "full recompute with distributed saved activations", check_distributed_recompute, ck, world)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
