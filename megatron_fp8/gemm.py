@@ -185,8 +185,8 @@ def record_gemms(into: Any = None) -> Iterator[Any]:
     _state.records.append(calls)
     try:
         yield calls
-    finally:
-        _state.records.remove(calls)
+    finally:  # by identity: two open lists may compare equal (both empty), list.remove would take either
+        _state.records[:] = [r for r in _state.records if r is not calls]
 
 
 def cublaslt_scale(op: Operand) -> torch.Tensor:

@@ -269,3 +269,18 @@ def test_cublaslt_workspace_size_reads_torchs_variable(monkeypatch) -> None:
         with pytest.raises(ValueError, match="CUBLASLT_WORKSPACE_SIZE"):
             cublaslt.workspace_bytes(0)
     cublaslt.workspace_bytes.cache_clear()
+
+
+def test_nested_records_close_their_own_collection() -> None:
+    """An inner ``record_gemms()`` (or ``count_paths()``) that closes while both collections are
+    still empty, so equal, closes its own: the outer one keeps recording."""
+    from megatron_fp8.ops import paths
+
+    with core.record_gemms() as outer:
+        with core.record_gemms():
+            pass
+        assert len(core._state.records) == 1 and core._state.records[0] is outer
+    with paths.count_paths() as counts:
+        with paths.count_paths():
+            pass
+        assert len(paths._open) == 1 and paths._open[0] is counts

@@ -28,5 +28,5 @@ def count_paths() -> Iterator[collections.Counter[str]]:
     _open.append(counts)
     try:
         yield counts
-    finally:
-        _open.remove(counts)
+    finally:  # by identity: two open Counters may compare equal
+        _open[:] = [c for c in _open if c is not counts]
