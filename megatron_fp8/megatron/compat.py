@@ -88,10 +88,10 @@ class MegatronCheckpointWithoutOutput(CheckpointWithoutOutput):
 
 
 def _replace_everywhere(name: str, old: Any, new: Any) -> None:
-    """``new`` for ``name`` in every loaded ``megatron`` module where it is ``old``."""
+    """``new`` for ``name`` in every loaded ``megatron`` module that holds it as ``old``."""
     for mod_name, mod in list(sys.modules.items()):
         if mod is not None and (mod_name == "megatron" or mod_name.startswith("megatron.")) \
-                and getattr(mod, name, None) is old:
+                and name in vars(mod) and vars(mod)[name] is old:
             setattr(mod, name, new)
 
 
@@ -132,12 +132,9 @@ def _patch_te_checkpoint() -> None:
     raising = getattr(ext, "te_checkpoint", None) if ext is not None else None
     for mod in users:
         mod.te_checkpoint = te_checkpoint  # type: ignore[attr-defined]
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == "megatron" or mod_name.startswith("megatron.")):
-            continue
-        held = vars(mod).get("te_checkpoint", te_checkpoint)
-        if held is None or held is raising:
-            mod.te_checkpoint = te_checkpoint  # type: ignore[attr-defined]
+    _replace_everywhere("te_checkpoint", None, te_checkpoint)
+    if raising is not None:
+        _replace_everywhere("te_checkpoint", raising, te_checkpoint)
 
 
 def _te_safe(is_te_min_version: Callable[..., bool]) -> Callable[..., bool]:

@@ -23,6 +23,7 @@ from .guard import (
     _storage_key,
     _watching,
     _wrap,
+    recording_modules,
 )
 from .replay import _Environment
 
@@ -142,13 +143,8 @@ class CheckpointWithoutOutput:
     def _run_forward(self, args: tuple[Any, ...]) -> Outputs:
         """Inside the autograd function: run ``fn`` once, remember what a recompute needs."""
         assert self._fn is not None and self._env is not None and self._status is not None
-        modules: list[nn.Module] = []
-        _ModuleWatch.recording.append(modules)
-        try:
-            with torch.no_grad():
-                raw = self._fn(*args)
-        finally:
-            _ModuleWatch.recording.pop()
+        with recording_modules() as modules, torch.no_grad():
+            raw = self._fn(*args)
         outputs = _as_tuple(raw, self.name or "")
         self._check_no_input_alias(outputs, args)
         self._env.record_delayed_scales(modules)
