@@ -9,8 +9,10 @@ its forward. Without TE that function raises (or is ``None``). ``checkpoint_laye
 contract for our layers, in plain PyTorch:
 
 - forward runs ``fn(*args)`` without a graph and saves only ``args`` (with
-  ``distribute_saved_activations``, the first one split across the tensor-parallel group, as
-  Megatron's checkpoint does, and gathered again for backward);
+  ``distribute_saved_activations``, the first one split across the tensor-parallel group and
+  gathered again for backward; as in Megatron's checkpoint, a first argument that is no view is
+  shrunk *in place* to this rank's share until backward, so its memory is freed even where the
+  caller keeps the tensor, as a pipeline schedule keeps a stage's input);
 - backward re-runs ``fn`` on them with the forward's RNG states (CPU, CUDA, Megatron's CUDA RNG
   tracker), FP8 region, torch autocast and, for delayed scaling, the scales the forward cast
   with (no amax recorded, no history rolled: ``replay._Environment``, as the output-discarding
@@ -34,8 +36,14 @@ from .replay import _Environment
 __all__ = ["checkpoint_layers"]
 
 
-def _tp_split(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """This rank's equal 1-D share of ``x`` (a copy), or None where there is nothing to split."""
+def _tp_share(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
+    """This rank's equal 1-D share of ``x`` across ``group``, ``x``'s shape, and whether ``x``
+    itself now holds only the share (None where there is nothing to split).
+
+    As megatron-core's checkpoint does, a tensor that is no view is shrunk in place: its full
+    storage is freed even where the caller still holds the tensor (a pipeline stage's input, kept by
+    the schedule), and backward gives it its full data back. A view keeps its base alive anyway,
+    so it stays whole and the share is a copy."""
     if group is None or not dist.is_initialized():
         return None
     size = dist.get_world_size(group)
@@ -43,7 +51,11 @@ def _tp_split(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...
         return None
     share = x.numel() // size
     rank = dist.get_rank(group)
-    return x.detach().reshape(-1)[rank * share:(rank + 1) * share].clone(), tuple(x.shape)
+    part = x.detach().reshape(-1)[rank * share:(rank + 1) * share].clone()
+    shape, in_place = tuple(x.shape), x._base is None
+    if in_place:
+        x.data = part
+    return (x if in_place else part), shape, in_place
 
 
 def _tp_gather(share: torch.Tensor, shape: tuple[int, ...], group: Any) -> torch.Tensor:
@@ -71,10 +83,10 @@ class _LayerCheckpoint(torch.autograd.Function):
         saved = [args[i] for i in ctx.tensor_idx]
         ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
-        if tp_group is not None and saved:
-            ctx.split = _tp_split(saved[0], tp_group)
-            if ctx.split is not None:
-                saved[0] = ctx.split[0]
+        if tp_group is not None and saved and not any(saved[0] is t for t in saved[1:]):
+            shared = _tp_share(saved[0], tp_group)
+            if shared is not None:
+                saved[0], *ctx.split = shared
         ctx.save_for_backward(*saved)
         return outputs
 
@@ -85,7 +97,11 @@ class _LayerCheckpoint(torch.autograd.Function):
                                "torch.autograd.grad would put the parameters' gradients in their .grad")
         saved = list(ctx.saved_tensors)
         if ctx.split is not None:
-            saved[0] = _tp_gather(saved[0], ctx.split[1], ctx.group)
+            shape, in_place = ctx.split
+            full = _tp_gather(saved[0], shape, ctx.group)
+            if in_place:  # the caller's tensor whole again (its gradient, a pipeline schedule's reads)
+                saved[0].data = full
+            saved[0] = full
         args: list[Any] = [None] * (len(saved) + len(ctx.others))
         for i, t, needs in zip(ctx.tensor_idx, saved, ctx.needs_grad):
             d = t.detach()
