@@ -416,3 +416,23 @@ def test_per_layer_graph_check_reads_megatron_cores_config() -> None:
         whole = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, cuda_graph_impl="local",
                                   cuda_graph_scope=["full_iteration"])
     assert not per_layer_graphs(whole)
+
+
+def test_te_checkpoint_is_ours_with_or_without_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core recomputes under ``config.fp8`` through ``te_checkpoint``. The FP8 region is
+    the plug-in's whether TE is installed or not, so every module that calls it gets ours, even
+    where one holds TE's real function (stood in for here: TE cannot be installed)."""
+    import megatron.core.transformer.transformer_block as block
+
+    from megatron_fp8.megatron import compat
+
+    ext = pytest.importorskip("megatron.core.extensions.transformer_engine")
+
+    def te_own(*args: Any, **kwargs: Any) -> None:  # what TE's checkpoint would be
+        raise AssertionError("TE's checkpoint was called")
+
+    monkeypatch.setattr(compat, "have_te", lambda: True)
+    monkeypatch.setattr(ext, "te_checkpoint", te_own)
+    monkeypatch.setattr(block, "te_checkpoint", te_own)
+    compat._patch_te_checkpoint()
+    assert ext.te_checkpoint is compat.te_checkpoint and block.te_checkpoint is compat.te_checkpoint

@@ -26,11 +26,12 @@ __post_init__``                   checks the FP8 fields, then megatron-core's ow
                                   The router's padding for FP8 (``moe_router_padding_for_
                                   quantization``), which megatron-core refuses with ``fp8``
                                   unset, is hidden with it and checked by its own rules
-``te_checkpoint`` (TE absent)     ``te_checkpoint``: ``recompute.checkpoint_layers``; megatron-core
+``te_checkpoint``                 ``te_checkpoint``: ``recompute.checkpoint_layers``; megatron-core
                                   recomputes layer chunks (``recompute_granularity='full'``) and
                                   ``mlp`` / ``moe`` / ``shared_experts`` through TE's checkpoint
                                   whenever ``config.fp8`` is set (the recompute must run in the
-                                  forward's FP8 state), which without TE is None or raises
+                                  forward's FP8 state), which without TE is None or raises, and
+                                  with TE replays TE's FP8 state, not our region
 ``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
 _get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
                                   ``--spec`` objects through uncalled)
@@ -117,11 +118,11 @@ te_checkpoint._megatron_fp8 = True  # type: ignore[attr-defined]
 
 
 def _patch_te_checkpoint() -> None:
-    """Without TE: ours in the megatron-core modules that call ``te_checkpoint`` (they hold None,
+    """Ours in the megatron-core modules that call ``te_checkpoint`` (without TE they hold None,
     nothing, or the extension module's function that raises for want of TE), and wherever
-    another megatron module holds one of those."""
-    if have_te():
-        return
+    another megatron module holds one of those. With TE installed too: the FP8 region is ours
+    (``get_fp8_context`` is replaced either way), and TE's checkpoint replays only TE's FP8 state,
+    so its recompute would run our layers outside their forward's region."""
     users = []
     for name in _TE_CHECKPOINT_USERS:
         try:
