@@ -436,3 +436,26 @@ def test_te_checkpoint_is_ours_with_or_without_transformer_engine(monkeypatch: p
     monkeypatch.setattr(block, "te_checkpoint", te_own)
     compat._patch_te_checkpoint()
     assert ext.te_checkpoint is compat.te_checkpoint and block.te_checkpoint is compat.te_checkpoint
+
+
+@pytest.mark.parametrize(("fields", "refused"), [
+    ({"moe_token_dispatcher_type": "alltoall"}, None),
+    ({"moe_token_dispatcher_type": "allgather"}, "allgather"),
+    ({"moe_token_dispatcher_type": "alltoall_seq"}, "alltoall_seq"),
+    ({"moe_token_dispatcher_type": "alltoall", "transformer_impl": "inference_optimized", "num_moe_experts": 8},
+     "inference_optimized"),
+    ({"moe_token_dispatcher_type": "alltoall", "transformer_impl": "inference_optimized", "num_moe_experts": None},
+     None),
+])
+def test_router_padding_rules_megatron_core_skips_with_fp8_hidden(fields: dict[str, Any], refused: str | None) -> None:
+    """The router padding's rules, which megatron-core checks only with ``fp8`` visible (the plug-in
+    hides it): the alias turns the flag on; what cannot take a padded routing map is refused by name."""
+    from megatron_fp8.megatron.compat import _router_padding
+
+    cfg = SimpleNamespace(moe_router_padding_for_fp8=True, moe_router_padding_for_quantization=False, **fields)
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            _router_padding(cfg)
+    else:
+        _router_padding(cfg)
+        assert cfg.moe_router_padding_for_quantization

@@ -186,11 +186,17 @@ _ROUTER_PADDING = ("moe_router_padding_for_quantization", "moe_router_padding_fo
 def _router_padding(config: Any) -> None:
     """megatron-core's own rules for ``--moe-router-padding-for-quantization`` (and its older
     alias ``--moe-router-padding-for-fp8``), which its ``__post_init__`` applies only with
-    ``fp8`` visible: the alias turns the flag on, and the dispatchers that cannot pad refuse it.
+    ``fp8`` visible: the alias turns the flag on; the dispatchers that cannot pad, and (megatron-core
+    main) the inference-optimized MoE layers, refuse it.
     The router then pads each expert's tokens to megatron-core's FP8 alignment (16; MXFP8 32);
     our grouped linears pad further where a recipe needs more (128 rows for 1x128 blocks)."""
     if getattr(config, "moe_router_padding_for_fp8", False) and hasattr(config, "moe_router_padding_for_quantization"):
         config.moe_router_padding_for_quantization = True
+    if getattr(config, "transformer_impl", None) == "inference_optimized" \
+            and getattr(config, "num_moe_experts", None) is not None:
+        raise ValueError("megatron_fp8: moe_router_padding_for_quantization with transformer_impl="
+                         "'inference_optimized': megatron-core's inference-optimized MoE layers take no padded routing "
+                         "map; drop --moe-router-padding-for-quantization")
     dispatcher = getattr(config, "moe_token_dispatcher_type", None)
     if dispatcher in ("allgather", "alltoall_seq"):
         raise ValueError(f"megatron_fp8: moe_router_padding_for_quantization with moe_token_dispatcher_type="
