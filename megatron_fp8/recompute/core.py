@@ -25,6 +25,7 @@ from .guard import (
     _wrap,
     recording_modules,
 )
+from .inputs import backprop, replay_arguments, save_arguments
 from .replay import _Environment
 
 
@@ -36,9 +37,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 *args: Any) -> Any:
         ctx.ckpt = ckpt
         ckpt._attach(ctx)
-        ctx.tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        ctx.save_for_backward(*(args[i] for i in ctx.tensor_idx))
+        ctx.save_for_backward(*save_arguments(ctx, args))
         ctx.recomputed = None
         return ckpt._run_forward(args)
 
@@ -49,22 +48,7 @@ class _CheckpointFunction(torch.autograd.Function):
             ckpt._recompute_for_backward(ctx)
         outputs, inputs = ctx.recomputed
         ctx.recomputed = None  # once: the recomputed graph is freed by this backward
-        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = [x.grad if isinstance(x, torch.Tensor) else None for x in inputs]
-        return (None, None, *input_grads)
-
-
-def _detached(args: list[Any]) -> list[Any]:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            d = a.detach()
-            d.requires_grad_(a.requires_grad)
-            a = d
-        out.append(a)
-    return out
+        return (None, None, *backprop(outputs, grads, inputs))
 
 
 def _as_tuple(outputs: Any, name: str) -> tuple[torch.Tensor, ...]:
@@ -257,13 +241,8 @@ class CheckpointWithoutOutput:
 
     def _replay(self, ctx: Any) -> tuple[torch.Tensor, ...]:
         assert self._fn is not None and self._env is not None
-        saved = list(ctx.saved_tensors)
-        args: list[Any] = [None] * (len(saved) + len(ctx.others))
-        for i, t in zip(ctx.tensor_idx, saved):
-            args[i] = t
-        for i, v in ctx.others.items():
-            args[i] = v
-        inputs = _detached(args)
+        saved = ctx.saved_tensors
+        inputs = replay_arguments(ctx, saved, [t.requires_grad for t in saved])
         with self._env.replay(), torch.enable_grad():
             outputs = _as_tuple(self._fn(*inputs), self.name or "")
         ctx.recomputed = (outputs, inputs)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .guard import recording_modules
+from .inputs import backprop, replay_arguments, save_arguments
 from .replay import _Environment
 
 __all__ = ["checkpoint_layers"]
@@ -78,9 +79,7 @@ class _LayerCheckpoint(torch.autograd.Function):
         # a tensor ``fn`` hands back as it is (a layer's bias with skip_bias_add) leaves as an alias:
         # autograd would otherwise make the parameter itself an output of this function
         outputs = _alias_leaves(outputs, args)
-        ctx.tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        saved = [args[i] for i in ctx.tensor_idx]
+        saved = save_arguments(ctx, args)
         ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
         if tp_group is not None and saved and not any(saved[0] is t for t in saved[1:]):
@@ -102,21 +101,11 @@ class _LayerCheckpoint(torch.autograd.Function):
             if in_place:  # the caller's tensor whole again (its gradient, a pipeline schedule's reads)
                 saved[0].data = full
             saved[0] = full
-        args: list[Any] = [None] * (len(saved) + len(ctx.others))
-        for i, t, needs in zip(ctx.tensor_idx, saved, ctx.needs_grad):
-            d = t.detach()
-            d.requires_grad_(needs)
-            args[i] = d
-        for i, v in ctx.others.items():
-            args[i] = v
+        args = replay_arguments(ctx, saved, ctx.needs_grad)
         with ctx.env.replay(), torch.enable_grad():
             outputs = ctx.fn(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, *[a.grad if isinstance(a, torch.Tensor) else None for a in args])
+        return (None, None, None, *backprop(outputs, grads, args))
 
 
 def _alias_leaves(outputs: Any, args: tuple[Any, ...]) -> Any:
