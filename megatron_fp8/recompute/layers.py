@@ -123,8 +123,9 @@ def checkpoint_layers(fn: Callable[..., Any], *args: Any, distribute_saved_activ
                       tp_group: Any = None) -> Any:
     """``fn(*args)``, keeping only ``args`` for backward, where ``fn`` is re-run in the forward's
     RNG, FP8 and autocast state (module docstring). ``distribute_saved_activations``: save only
-    this rank's share of the first tensor argument across ``tp_group``. Under ``no_grad`` it is a
-    plain call."""
+    this rank's share of the first tensor argument across ``tp_group``; as with megatron-core's
+    checkpoint, that argument (unless it is a view) holds only the share from this call until
+    backward, so the caller must not read it in between. Under ``no_grad`` it is a plain call."""
     if not torch.is_grad_enabled():
         return fn(*args)
     # no input needing grad (e.g. a frozen embedding's output): an anchor makes the outputs need it,
