@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -110,6 +110,15 @@ for what in "${steps[@]}"; do
     # special values), then its time against the unfused chain's on dense-8b's q and k
     rope) (PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 -m pytest -q -rs -p no:logging tests/test_rope.py \
         && PYTHONPATH=$PYTHONPATH:$PWD/.megatron_lm python3 scripts/probes/rope_speed.py) 2>&1 | tee "$OUT/rope.log" ;;
+    # the slow interval of our eager runs (run AR): every iteration logged, with Python's collections (gen 1 and 2),
+    # Triton's compilations and torch.compile's recompiles in the same log; then ours with Megatron's --manual-gc
+    slowiter) (export PYTHONPATH=$PWD/scripts/probes/gc_log:${PYTHONPATH:-$PWD} PROBE_GC_LOG=1 PROBE_GC_MIN_GEN=1 PROBE_TRITON_LOG=1 TORCH_LOGS=recompiles
+        args="--megatron-lm .megatron_lm --configs dense-1b --iters 40 --log-interval 1 --fusions rope --no-dropout --timeout 150"
+        timeout 260 python3 scripts/bench_megatron.py $args --variants ours-tensorwise,megatron-bf16 --out "$OUT/slowiter"
+        timeout 150 python3 scripts/bench_megatron.py $args --variants ours-tensorwise --megatron-args=--manual-gc \
+          --out "$OUT/slowiter_manual_gc"
+        grep -h "elapsed time per iteration\|gc pid\|recompil\|triton pid" "$OUT"/slowiter*/*.log | cut -c1-200) 2>&1 \
+        | tee "$OUT/slowiter.log" ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;

@@ -21,8 +21,9 @@ if os.environ.get("PROBE_GC_LOG") == "1":
             _start[0] = time.perf_counter()
             return
         ms = (time.perf_counter() - _start[0]) * 1e3
-        print(f"[gc pid {os.getpid()}] gen {info['generation']} {ms:.1f} ms, collected {info['collected']}, "
-              f"tracked {len(gc.get_objects())}", file=sys.stderr, flush=True)
+        tracked = f", tracked {len(gc.get_objects())}" if info["generation"] == 2 else ""  # (costly: full ones only)
+        print(f"[gc pid {os.getpid()}] gen {info['generation']} {ms:.1f} ms, collected {info['collected']}{tracked}",
+              file=sys.stderr, flush=True)
 
     gc.callbacks.append(_log)
 
