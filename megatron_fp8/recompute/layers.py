@@ -82,8 +82,9 @@ class _LayerCheckpoint(torch.autograd.Function):
         saved = save_arguments(ctx, args)
         ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
-        if tp_group is not None and saved and not any(saved[0] is t for t in saved[1:]):
-            shared = _tp_share(saved[0], tp_group)
+        returned = outputs if isinstance(outputs, tuple) else (outputs,)
+        if tp_group is not None and saved and not any(saved[0] is t for t in (*saved[1:], *returned)):
+            shared = _tp_share(saved[0], tp_group)  # (not an argument also passed again or handed back)
             if shared is not None:
                 saved[0], *ctx.split = shared
         ctx.save_for_backward(*saved)

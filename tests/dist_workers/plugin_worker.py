@@ -273,27 +273,34 @@ def check_distributed_recompute(ck: Checker, tp: int) -> None:
 
 def _check_share_in_place(ck: Checker, tp: int) -> None:
     """A first input the caller keeps (a pipeline stage's input) holds only this rank's share
-    between forward and backward, as with megatron-core's checkpoint; a view stays whole."""
+    between forward and backward, as with megatron-core's checkpoint; a view, or an input the
+    function also hands back, stays whole."""
     from megatron_fp8.recompute import checkpoint_layers
 
     group = parallel_state.get_tensor_model_parallel_group()
     torch.manual_seed(5)
     lin = torch.nn.Linear(8, 8)
-    for view in (False, True):
+
+    def passing_on(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lin(t), t
+
+    for case in ("tensor", "view", "handed back"):
+        fn = passing_on if case == "handed back" else lin
         base = torch.randn(4, 2, 8)
         ref = base.clone().requires_grad_()
-        lin(ref).square().sum().backward()
+        out = fn(ref)
+        sum(o.square().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
         lin.zero_grad()
         x = base.clone().requires_grad_()
-        arg = x.view(4, 2, 8) if view else x
-        y = checkpoint_layers(lin, arg, distribute_saved_activations=True, tp_group=group)
+        arg = x.view(4, 2, 8) if case == "view" else x
+        out = checkpoint_layers(fn, arg, distribute_saved_activations=True, tp_group=group)
         kept = arg.untyped_storage().nbytes() // arg.element_size()
-        ck.true("layers", kept == (64 if view else 64 // tp),
-                f"distributed input (view={view}): {kept} elements kept between forward and backward")
-        y.square().sum().backward()
-        ck.true("layers", tuple(arg.shape) == (4, 2, 8), f"distributed input (view={view}): shape {tuple(arg.shape)} "
+        ck.true("layers", kept == (64 // tp if case == "tensor" else 64),
+                f"distributed input ({case}): {kept} elements kept between forward and backward")
+        sum(o.square().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+        ck.true("layers", tuple(arg.shape) == (4, 2, 8), f"distributed input ({case}): shape {tuple(arg.shape)} "
                 "after backward")
-        ck.bitwise("layers", f"distributed input (view={view}): its gradient", x.grad, ref.grad)
+        ck.bitwise("layers", f"distributed input ({case}): its gradient", x.grad, ref.grad)
 
 
 def check_megatron_recompute_equal(ck: Checker) -> None:
