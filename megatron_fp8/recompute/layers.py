@@ -37,14 +37,15 @@ from .replay import _Environment
 __all__ = ["checkpoint_layers"]
 
 
-def _tp_share(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
+def _tp_share(x: torch.Tensor, group: Any, in_place: bool) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
     """This rank's equal 1-D share of ``x`` across ``group``, ``x``'s shape, and whether ``x``
     itself now holds only the share (None where there is nothing to split).
 
-    As megatron-core's checkpoint does, a tensor that is no view is shrunk in place: its full
-    storage is freed even where the caller still holds the tensor (a pipeline stage's input, kept by
-    the schedule), and backward gives it its full data back. A view keeps its base alive anyway,
-    so it stays whole and the share is a copy."""
+    As megatron-core's checkpoint does, a tensor that is no view is shrunk in place (unless
+    ``in_place`` is False: the function handed ``x`` back as an output): its full storage is freed
+    even where the caller still holds the tensor (a pipeline stage's input, kept by the schedule),
+    and backward gives it its full data back. A view keeps its base alive anyway, so it stays
+    whole and the share is a copy, as for a tensor handed back."""
     if group is None or not dist.is_initialized():
         return None
     size = dist.get_world_size(group)
@@ -53,7 +54,7 @@ def _tp_share(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, tuple[int, ...
     share = x.numel() // size
     rank = dist.get_rank(group)
     part = x.detach().reshape(-1)[rank * share:(rank + 1) * share].clone()
-    shape, in_place = tuple(x.shape), x._base is None
+    shape, in_place = tuple(x.shape), in_place and x._base is None
     if in_place:
         x.data = part
     return (x if in_place else part), shape, in_place
@@ -82,9 +83,9 @@ class _LayerCheckpoint(torch.autograd.Function):
         saved = save_arguments(ctx, args)
         ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
-        returned = outputs if isinstance(outputs, tuple) else (outputs,)
-        if tp_group is not None and saved and not any(saved[0] is t for t in (*saved[1:], *returned)):
-            shared = _tp_share(saved[0], tp_group)  # (not an argument also passed again or handed back)
+        if tp_group is not None and saved and not any(saved[0] is t for t in saved[1:]):
+            returned = outputs if isinstance(outputs, tuple) else (outputs,)
+            shared = _tp_share(saved[0], tp_group, in_place=not any(saved[0] is o for o in returned))
             if shared is not None:
                 saved[0], *ctx.split = shared
         ctx.save_for_backward(*saved)
