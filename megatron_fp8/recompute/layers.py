@@ -37,15 +37,11 @@ from .replay import _Environment
 __all__ = ["checkpoint_layers"]
 
 
-def _tp_share(x: torch.Tensor, group: Any, in_place: bool) -> tuple[torch.Tensor, tuple[int, ...], bool] | None:
-    """This rank's equal 1-D share of ``x`` across ``group``, ``x``'s shape, and whether ``x``
-    itself now holds only the share (None where there is nothing to split).
-
-    As megatron-core's checkpoint does, a tensor that is no view is shrunk in place (unless
-    ``in_place`` is False: the function handed ``x`` back as an output): its full storage is freed
-    even where the caller still holds the tensor (a pipeline stage's input, kept by the schedule),
-    and backward gives it its full data back. A view keeps its base alive anyway, so it stays
-    whole and the share is a copy, as for a tensor handed back."""
+def _tp_share(x: torch.Tensor, group: Any, in_place: bool) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """This rank's equal 1-D share of ``x`` across ``group`` and ``x``'s shape (None where there
+    is nothing to split). ``in_place``: ``x`` itself is shrunk to the share (and returned), as
+    megatron-core's checkpoint does, so its full storage is freed even where the caller still holds
+    the tensor (a pipeline stage's input, kept by the schedule); else the share is a copy."""
     if group is None or not dist.is_initialized():
         return None
     size = dist.get_world_size(group)
@@ -53,11 +49,12 @@ def _tp_share(x: torch.Tensor, group: Any, in_place: bool) -> tuple[torch.Tensor
         return None
     share = x.numel() // size
     rank = dist.get_rank(group)
+    shape = tuple(x.shape)
     part = x.detach().reshape(-1)[rank * share:(rank + 1) * share].clone()
-    shape, in_place = tuple(x.shape), in_place and x._base is None
-    if in_place:
-        x.data = part
-    return (x if in_place else part), shape, in_place
+    if not in_place:
+        return part, shape
+    x.data = part
+    return x, shape
 
 
 def _tp_gather(share: torch.Tensor, shape: tuple[int, ...], group: Any) -> torch.Tensor:
@@ -84,10 +81,13 @@ class _LayerCheckpoint(torch.autograd.Function):
         ctx.needs_grad = [t.requires_grad for t in saved]
         ctx.split = None
         if tp_group is not None and saved and not any(saved[0] is t for t in saved[1:]):
+            # shrunk in place unless a view (its base stays alive anyway) or handed back as an output
             returned = outputs if isinstance(outputs, tuple) else (outputs,)
-            shared = _tp_share(saved[0], tp_group, in_place=not any(saved[0] is o for o in returned))
+            in_place = saved[0]._base is None and not any(saved[0] is o for o in returned)
+            shared = _tp_share(saved[0], tp_group, in_place)
             if shared is not None:
-                saved[0], *ctx.split = shared
+                saved[0], shape = shared
+                ctx.split = (shape, in_place)
         ctx.save_for_backward(*saved)
         return outputs
 
@@ -126,8 +126,8 @@ def checkpoint_layers(fn: Callable[..., Any], *args: Any, distribute_saved_activ
     """``fn(*args)``, keeping only ``args`` for backward, where ``fn`` is re-run in the forward's
     RNG, FP8 and autocast state (module docstring). ``distribute_saved_activations``: save only
     this rank's share of the first tensor argument across ``tp_group``; as with megatron-core's
-    checkpoint, that argument (unless it is a view) holds only the share from this call until
-    backward, so the caller must not read it in between. Under ``no_grad`` it is a plain call."""
+    checkpoint, that argument (unless it is a view, or ``fn`` returns it) holds only the share from
+    this call until backward, so the caller must not read it in between. Under ``no_grad`` it is a plain call."""
     if not torch.is_grad_enabled():
         return fn(*args)
     # no input needing grad (e.g. a frozen embedding's output): an anchor makes the outputs need it,
