@@ -15,7 +15,9 @@ iteration is Megatron's own log ("elapsed time per iteration"), the median over 
 ending after iteration 10 (warm-up; in a short run, after the first two; 30 iterations by
 default); an interval over 20% slower than that median is named with the mean over the intervals
 (a one-off stall the median leaves out); peak memory is its ``max allocated`` report. Prints a table, writes
-``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``.
+``bench_megatron.json`` and ``bench_megatron.png`` under ``--out``. ``--repeats N`` runs every variant in N
+interleaved rounds (a process each) and adds the median of the rounds, with each variant's ratio
+taken against the baseline of its own round: at dense-1b one process moves by 15-25%.
 
     python scripts/bench_megatron.py --megatron-lm ~/Megatron-LM --configs dense-1b,moe --layers 4
 
@@ -40,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 CONFIGS: dict[str, list[str]] = {
@@ -162,6 +164,7 @@ class Result:
     forwards: str = ""  # FP8 layer forwards by path (lean / general), as --count-gemms prints them
     intervals: tuple[float, ...] = ()  # the steady log intervals the median is taken over (ms/iter)
     loss: float | None = None  # the last logged lm loss: variants of one config train the same model on the same data
+    round: int = 0  # with --repeats: which pass over the variants ran it (each pass runs every variant once)
 
 
 DRIFT = 0.10  # intervals whose first and last differ by more than this share of their median: not steady
@@ -321,7 +324,7 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
                   float(losses[-1]) if losses else None)
 
 
-_SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)\n\$ (.*)$", re.M)
+_SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)(?: round=(\d+))?\n\$ (.*)$", re.M)
 
 
 def from_logs(paths: list[str]) -> list[Result]:
@@ -333,11 +336,12 @@ def from_logs(paths: list[str]) -> list[Result]:
         marks = list(_SECTION.finditer(text))
         for i, m in enumerate(marks):
             body = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)]
-            cmd = m.group(4).split()
+            cmd = m.group(5).split()
             seq = int(cmd[cmd.index("--seq-length") + 1])
             gbs = int(cmd[cmd.index("--global-batch-size") + 1])
             v = next((v for v in variants(None) if v.name == m.group(2)), Variant(m.group(2), True))
-            results.append(parse(m.group(1), v, body, int(m.group(3)), seq * gbs))
+            r = parse(m.group(1), v, body, int(m.group(3)), seq * gbs)
+            results.append(replace(r, round=int(m.group(4) or 0)))
     return results
 
 
@@ -441,8 +445,17 @@ def main() -> int:
     ap.add_argument("--megatron-args", default="", metavar="ARGS",
                     help="more Megatron-LM arguments for every variant, one string (e.g. \"--recompute-granularity "
                          "full --recompute-method uniform --recompute-num-layers 1\")")
+    ap.add_argument("--repeats", type=int, default=1, metavar="N",
+                    help="run every variant N times, one process each, in N interleaved rounds (all variants, then "
+                         "all again): a table per round, then the median of the rounds with its range and the median "
+                         "of each round's ratio to the baseline of the same round; at dense-1b a single process moves "
+                         "by 15-25%%, more than the gaps measured")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1")
+    if args.repeats > 1 and (args.profile or args.pyspy):
+        ap.error("--profile and --pyspy write one trace per variant: run them with --repeats 1")
     if args.from_log:
         os.makedirs(args.out, exist_ok=True)
         return report(from_logs(args.from_log), args, plot_too=True)
@@ -463,35 +476,35 @@ def main() -> int:
     profiles: dict[str, dict[str, Any]] = {}
     chosen = variants(args.variants.split(",") if args.variants else None)
     log = open(os.path.join(args.out, "bench_megatron.log"), "w")
-    for config in args.configs.split(","):
-        for v in chosen:
-            cmd, env = _command(args, config, v, rules["moe" if config.startswith("moe") else "dense"])
-            t0 = time.time()
-            samples = _pyspy_path(args, config, v)
-            if args.pyspy:
-                out, rc = run_sampled(cmd, env, args, samples)
-            else:
-                try:
-                    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                    out, rc = p.stdout + p.stderr, p.returncode
-                except subprocess.TimeoutExpired as e:
-                    out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
-            r = parse(config, v, out, rc, args.seq * args.mbs * args.micro)
-            if args.profile:
-                profiles[f"{config} {v.name}"] = profile_of(args, config, v) or {}
-            results.append(r)
-            print(f"{config} {v.name}: rc={rc} {r.ms} ms/iter, {r.max_alloc_mib} MiB, {r.gemms} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-            if rc:
-                print(r.tail, flush=True)
-            log.write(f"===== {config} {v.name} rc={rc}\n$ {' '.join(cmd)}\n{out}\n")
-            log.flush()
-            if args.pyspy and os.path.isfile(samples):
-                import trace_step  # scripts/
+    for config, v, k in ((c, v, k) for k in range(args.repeats) for c in args.configs.split(",") for v in chosen):
+        cmd, env = _command(args, config, v, rules["moe" if config.startswith("moe") else "dense"])
+        t0 = time.time()
+        samples = _pyspy_path(args, config, v)
+        if args.pyspy:
+            out, rc = run_sampled(cmd, env, args, samples)
+        else:
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                out, rc = p.stdout + p.stderr, p.returncode
+            except subprocess.TimeoutExpired as e:
+                out, rc = f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT", -1
+        r = replace(parse(config, v, out, rc, args.seq * args.mbs * args.micro), round=k)
+        if args.profile:
+            profiles[f"{config} {v.name}"] = profile_of(args, config, v) or {}
+        results.append(r)
+        print(f"{config} {v.name}{f' (round {k + 1})' if args.repeats > 1 else ''}: rc={rc} {r.ms} ms/iter, "
+              f"{r.max_alloc_mib} MiB, {r.gemms} ({time.time() - t0:.0f} s)", flush=True)
+        if rc:
+            print(r.tail, flush=True)
+        log.write(f"===== {config} {v.name} rc={rc}{f' round={k}' if args.repeats > 1 else ''}\n$ {' '.join(cmd)}\n"
+                  f"{out}\n")
+        log.flush()
+        if args.pyspy and os.path.isfile(samples):
+            import trace_step  # scripts/
 
-                print(f"\n## {config} {v.name}: where the process's wall time goes after the warm-up "
-                      f"(py-spy, {args.pyspy:g} Hz)\n")
-                print(trace_step.pyspy_summarize(samples, args.pyspy), flush=True)
+            print(f"\n## {config} {v.name}: where the process's wall time goes after the warm-up "
+                  f"(py-spy, {args.pyspy:g} Hz)\n")
+            print(trace_step.pyspy_summarize(samples, args.pyspy), flush=True)
     if profiles:
         found = {k: p for k, p in profiles.items() if p}
         print("\n## Where one iteration's time goes (ms, profiled; trace_step.py --summarize)\n")
@@ -510,12 +523,52 @@ def main() -> int:
     return report(results, args, plot_too=not args.smoke)
 
 
+def rounds_table(results: list[Result]) -> str:
+    """With ``--repeats``: per config and variant, the median over the rounds of each process's
+    ms/iter (its range beside it), and the median of the per-round ratios to the baseline run in
+    the same round: paired, so a round where the host ran slow for every process moves no ratio."""
+    rounds = sorted({r.round for r in results})
+    by = {(r.config, r.variant, r.round): r for r in results if r.ms}
+    rows = ["| config | variant | ms/iter, median of rounds (range) | vs megatron, median of the rounds' ratios "
+            "(range) | rounds |", "|---|---|---|---|---|"]
+    for config, variant in dict.fromkeys((r.config, r.variant) for r in results):
+        runs = [by[(config, variant, k)] for k in rounds if (config, variant, k) in by]
+        if not runs:
+            rows.append(f"| {config} | {variant} | failed in every round | - | 0 |")
+            continue
+        ms = [r.ms for r in runs if r.ms]
+        base = _baseline(variant)
+        ratios = [by[(config, base, r.round)].ms / r.ms for r in runs if r.ms and (config, base, r.round) in by]
+        rel = f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+        rows.append(f"| {config} | {variant} | {statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | {rel} | "
+                    f"{len(runs)} of {len(rounds)} |")
+    return "\n".join(rows)
+
+
+def _median_runs(results: list[Result]) -> list[Result]:
+    """One result per config and variant, at the median ms/iter of its rounds (for the plot)."""
+    out = []
+    for config, variant in dict.fromkeys((r.config, r.variant) for r in results):
+        runs = [r for r in results if (r.config, r.variant) == (config, variant) and r.ms and r.tokens_per_s]
+        if runs:
+            ms = statistics.median(r.ms for r in runs)
+            out.append(replace(runs[0], ms=ms, tokens_per_s=runs[0].tokens_per_s * runs[0].ms / ms))
+    return out
+
+
 def report(results: list[Result], args: argparse.Namespace, plot_too: bool) -> int:
-    print(table(results))
+    rounds = sorted({r.round for r in results})
+    for k in rounds:
+        if len(rounds) > 1:
+            print(f"\n## Round {k + 1} of {len(rounds)}\n")
+        print(table([r for r in results if r.round == k]))
+    if len(rounds) > 1:
+        print(f"\n## Over the {len(rounds)} rounds (one process per variant and round, variants interleaved)\n")
+        print(rounds_table(results))
     with open(os.path.join(args.out, "bench_megatron.json"), "w") as g:
         json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, g, indent=1)
     if plot_too:
-        plot(results, os.path.join(args.out, "bench_megatron.png"))
+        plot(_median_runs(results) if len(rounds) > 1 else results, os.path.join(args.out, "bench_megatron.png"))
     return 1 if any(r.rc for r in results) else 0
 
 

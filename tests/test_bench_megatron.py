@@ -78,6 +78,31 @@ def test_from_log_rebuilds_results_and_table(tmp_path: os.PathLike[str]) -> None
     assert "1.250x" in bm.table(results)
 
 
+def test_repeats_pair_each_round_with_its_own_baseline(tmp_path: os.PathLike[str]) -> None:
+    """``--repeats``: the log's sections carry their round, ``from_log`` reads it back, and the
+    rounds' table gives the median ms/iter with its range and the median of the ratios taken
+    within each round (round 2's host is slow for both variants: its ratio is still 1.25x)."""
+    log = os.path.join(tmp_path, "bench_megatron.log")
+    rounds = {0: (500.0, 400.0), 1: (650.0, 520.0), 2: (520.0, 430.0)}
+    with open(log, "w") as f:
+        for k, times in rounds.items():
+            for variant, t in zip(("megatron-bf16", "ours-tensorwise"), times):
+                f.write(f"===== dense-1b {variant} rc=0 round={k}\n$ python pretrain_gpt.py --seq-length 4096 "
+                        f"--global-batch-size 4\n{_megatron_log([900.0, 600.0, t, t], 1000.0, None)}\n")
+    results = bm.from_logs([log])
+    assert [(r.variant, r.round, r.ms) for r in results][:3] == [("megatron-bf16", 0, 500.0),
+                                                                 ("ours-tensorwise", 0, 400.0),
+                                                                 ("megatron-bf16", 1, 650.0)]
+    text = bm.rounds_table(results)
+    ours = next(line for line in text.splitlines() if "ours-tensorwise" in line)
+    assert "| 430.0 (400.0-520.0) |" in ours and "| 1.250x (1.209-1.250) |" in ours and "3 of 3" in ours
+    base = next(line for line in text.splitlines() if "megatron-bf16" in line)
+    assert "| 520.0 (500.0-650.0) |" in base and "1.000x (1.000-1.000)" in base
+    one = bm._median_runs(results)
+    assert [(r.variant, r.ms) for r in one] == [("megatron-bf16", 520.0), ("ours-tensorwise", 430.0)]
+    assert one[1].tokens_per_s == 4 * 4096 / 0.43
+
+
 def test_megatron_lm_example_script_parses() -> None:
     script = os.path.join(REPO, "examples", "megatron_lm", "pretrain_gpt_fp8.sh")
     subprocess.run(["bash", "-n", script], check=True)

@@ -3,7 +3,8 @@
 Put this folder on PYTHONPATH with ``PROBE_GC_LOG=1``: every Python process started then (torchrun's
 workers too) prints one line per collection of generation >= ``PROBE_GC_MIN_GEN`` (default 2), so a
 training log shows where a slow iteration's collection fell. ``PROBE_TRITON_LOG=1``: one line per Triton compilation
-(a kernel specialized anew mid-run), with its time."""
+(a kernel specialized anew mid-run), with its time. ``PROBE_SYNC_DEBUG=1``: torch warns at every operation that
+synchronizes the host with the GPU (``torch.cuda.set_sync_debug_mode``), once per call site."""
 
 import gc
 import os
@@ -47,3 +48,8 @@ if os.environ.get("PROBE_TRITON_LOG") == "1":  # Triton's JIT compilations (a ca
 
         knobs.runtime.jit_cache_hook = _miss
         knobs.runtime.jit_post_compile_hook = _compiled
+
+if os.environ.get("PROBE_SYNC_DEBUG") == "1":  # every op that makes the host wait on the GPU: a warning per call site
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
