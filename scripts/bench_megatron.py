@@ -121,6 +121,9 @@ def variants(names: list[str] | None) -> list[Variant]:
     all_ += [Variant("megatron-bf16-fullgraph", False, full_graph=True), Variant("ours-bf16-fullgraph", True,
                                                                                 full_graph=True)]
     all_ += [Variant(f"ours-{r}-fullgraph", True, r, full_graph=True) for r in RECIPES]
+    # both: the wgrad GEMMs add into main_grad (no separate FP32 adds) where no host cost is left to pay for it
+    all_ += [Variant(f"ours-{r}-fused-fullgraph", True, r, fused=True, full_graph=True) for r in RECIPES
+             if r != "delayed"]
     return [v for v in all_ if names is None or v.name in names]
 
 

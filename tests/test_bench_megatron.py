@@ -325,6 +325,10 @@ def test_fullgraph_variants_run_megatrons_whole_iteration_graph(tmp_path: Path) 
             assert "--no-check-for-nan-in-loss-and-grad" in cmd
     assert cmds["megatron-bf16-fullgraph"][cmds["megatron-bf16-fullgraph"].index("--spec") + 2] == "baseline_spec"
     assert {"ours-tensorwise-fullgraph", "ours-blockwise-fullgraph", "ours-bf16-fullgraph"} <= set(cmds)
+    fused = bm.variants(["ours-tensorwise-fused-fullgraph"])[0]  # our wgrad fusion under the graph too
+    cmd, env = bm._command(args, "dense-1b", fused, "")
+    assert "--cuda-graph-impl" in cmd and env.get("MEGATRON_FP8_WGRAD_FUSION") == "on"
+    assert bm._baseline(fused.name) == "megatron-bf16-fullgraph"
     assert "--no-check-for-nan-in-loss-and-grad" not in cmds["ours-tensorwise"]
     args.no_nan_check = True  # eager runs on the graph's terms
     eager = bm._command(args, "dense-1b", bm.Variant("ours-tensorwise", True, "tensorwise"), "")[0]
