@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -119,6 +119,11 @@ for what in "${steps[@]}"; do
           --out "$OUT/slowiter_manual_gc"
         grep -h "elapsed time per iteration\|gc pid\|recompil\|triton pid" "$OUT"/slowiter*/*.log | cut -c1-200) 2>&1 \
         | tee "$OUT/slowiter.log" ;;
+    # dense-1b and dense-8b under Megatron-LM's whole-iteration graph, with and without our wgrad fusion (run AS:
+    # dense-1b tensorwise 1.114x / 1.148x fused; blockwise and dense-8b not run with the fusion yet)
+    fullgraph) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b,dense-8b --iters 24 \
+        --variants megatron-bf16-fullgraph,ours-tensorwise-fullgraph,ours-blockwise-fullgraph,ours-tensorwise-fused-fullgraph,ours-blockwise-fused-fullgraph \
+        --fusions rope --no-dropout --timeout 100 --out "$OUT/fullgraph" 2>&1 | grep -v "^ " | tee "$OUT/bench_fullgraph.txt" ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
