@@ -178,7 +178,8 @@ SPIKE = 0.20  # an interval this much slower than the median is a stall the medi
 
 def spikes(intervals: tuple[float, ...]) -> list[float]:
     """The steady intervals more than ``SPIKE`` slower than their median (a one-off stall: the
-    median leaves it out, the run's mean does not)."""
+    median leaves it out, the run's mean does not). In our eager runs one such stall was a full
+    collection of Python's garbage collector (run AS), which Megatron-LM's ``--manual-gc`` avoids."""
     if len(intervals) < 3:
         return []
     mid = statistics.median(intervals)
