@@ -119,11 +119,12 @@ for what in "${steps[@]}"; do
           --out "$OUT/slowiter_manual_gc"
         grep -h "elapsed time per iteration\|gc pid\|recompil\|triton pid" "$OUT"/slowiter*/*.log | cut -c1-200) 2>&1 \
         | tee "$OUT/slowiter.log" ;;
-    # dense-1b and dense-8b under Megatron-LM's whole-iteration graph, with and without our wgrad fusion (run AS:
-    # dense-1b tensorwise 1.114x / 1.148x fused; blockwise and dense-8b not run with the fusion yet)
-    fullgraph) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b,dense-8b --iters 24 \
+    # FULLGRAPH_CONFIGS (default dense-1b; dense-8b in a call of its own: five processes a config, ~5 min) under
+    # Megatron-LM's whole-iteration graph, with and without our wgrad fusion (run AS: dense-1b tensorwise 1.114x,
+    # 1.148x fused; blockwise and dense-8b not run with the fusion yet)
+    fullgraph) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs "${FULLGRAPH_CONFIGS:-dense-1b}" --iters 24 \
         --variants megatron-bf16-fullgraph,ours-tensorwise-fullgraph,ours-blockwise-fullgraph,ours-tensorwise-fused-fullgraph,ours-blockwise-fused-fullgraph \
-        --fusions rope --no-dropout --timeout 100 --out "$OUT/fullgraph" 2>&1 | grep -v "^ " | tee "$OUT/bench_fullgraph.txt" ;;
+        --fusions rope --no-dropout --timeout 110 --out "$OUT/fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}" 2>&1 | grep -v "^ " | tee "$OUT/bench_fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}.txt" ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
