@@ -333,11 +333,12 @@ _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)(?: round=(\d+))?\n\$ (.*)$
 
 def from_logs(paths: list[str]) -> list[Result]:
     """The results recorded in earlier ``bench_megatron.log`` files (one section per run)."""
-    results = []
+    results: list[Result] = []
     for path in paths:
         with open(path) as f:
             text = f.read()
         marks = list(_SECTION.finditer(text))
+        found = []
         for i, m in enumerate(marks):
             body = text[m.end():marks[i + 1].start() if i + 1 < len(marks) else len(text)]
             cmd = m.group(5).split()
@@ -345,7 +346,12 @@ def from_logs(paths: list[str]) -> list[Result]:
             gbs = int(cmd[cmd.index("--global-batch-size") + 1])
             v = next((v for v in variants(None) if v.name == m.group(2)), Variant(m.group(2), True))
             r = parse(m.group(1), v, body, int(m.group(3)), seq * gbs)
-            results.append(replace(r, round=int(m.group(4) or 0)))
+            found.append(replace(r, round=int(m.group(4) or 0)))
+        seen = {(r.config, r.variant, r.round) for r in results}
+        if any((r.config, r.variant, r.round) in seen for r in found):  # another call's runs: rounds of their own
+            shift = 1 + max(r.round for r in results)
+            found = [replace(r, round=r.round + shift) for r in found]
+        results += found  # (a log that only adds variants, e.g. a rerun of a cut-short call, joins its rounds)
     return results
 
 
@@ -390,22 +396,23 @@ def table(results: list[Result]) -> str:
 
 
 def plot(results: list[Result], path: str) -> None:
+    """Bars of each variant's tokens/s over its baseline's: the median of the per-round ratios."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ratios = {key: statistics.median(v) for key, v in paired_ratios(results).items()}
+    rounds = len({r.round for r in results})
     configs = list(dict.fromkeys(r.config for r in results))
     fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
     for ax, cfg in zip(axes[0], configs):
-        base = {r.variant: r.tokens_per_s for r in results
-                if r.config == cfg and r.tokens_per_s and r.variant in BASELINES}
-        rs = [r for r in results if r.config == cfg and r.tokens_per_s and _baseline(r.variant) in base]
-        if not rs:
+        names = [v for c, v in dict.fromkeys((r.config, r.variant) for r in results) if c == cfg and (c, v) in ratios]
+        if not names:
             continue
-        ax.barh([r.variant for r in rs], [r.tokens_per_s / base[_baseline(r.variant)] for r in rs], color="tab:blue")
+        ax.barh(names, [ratios[(cfg, v)] for v in names], color="tab:blue")
         ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{cfg}: tokens/s vs Megatron BF16")
+        ax.set_title(f"{cfg}: tokens/s vs Megatron BF16" + (f", median of {rounds} rounds" if rounds > 1 else ""))
         ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -527,12 +534,25 @@ def main() -> int:
     return report(results, args, plot_too=not args.smoke)
 
 
+def paired_ratios(results: list[Result]) -> dict[tuple[str, str], list[float]]:
+    """Per config and variant, its tokens/s over its baseline's (``_baseline``) in each round where
+    both ran: the ratios ``rounds_table`` and the plot report."""
+    by = {(r.config, r.variant, r.round): r for r in results if r.ms}
+    out: dict[tuple[str, str], list[float]] = {}
+    for (config, variant, k), r in by.items():
+        base = by.get((config, _baseline(variant), k))
+        if base is not None:
+            out.setdefault((config, variant), []).append(base.ms / r.ms)
+    return out
+
+
 def rounds_table(results: list[Result]) -> str:
     """With ``--repeats``: per config and variant, the median over the rounds of each process's
     ms/iter (its range beside it), and the median of the per-round ratios to the baseline run in
     the same round: paired, so a round where the host ran slow for every process moves no ratio."""
     rounds = sorted({r.round for r in results})
     by = {(r.config, r.variant, r.round): r for r in results if r.ms}
+    paired = paired_ratios(results)
     rows = ["| config | variant | ms/iter, median of rounds (range) | vs megatron, median of the rounds' ratios "
             "(range) | rounds |", "|---|---|---|---|---|"]
     for config, variant in dict.fromkeys((r.config, r.variant) for r in results):
@@ -541,23 +561,11 @@ def rounds_table(results: list[Result]) -> str:
             rows.append(f"| {config} | {variant} | failed in every round | - | 0 |")
             continue
         ms = [r.ms for r in runs if r.ms]
-        base = _baseline(variant)
-        ratios = [by[(config, base, r.round)].ms / r.ms for r in runs if r.ms and (config, base, r.round) in by]
+        ratios = paired.get((config, variant), [])
         rel = f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
         rows.append(f"| {config} | {variant} | {statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | {rel} | "
                     f"{len(runs)} of {len(rounds)} |")
     return "\n".join(rows)
-
-
-def _median_runs(results: list[Result]) -> list[Result]:
-    """One result per config and variant, at the median ms/iter of its rounds (for the plot)."""
-    out = []
-    for config, variant in dict.fromkeys((r.config, r.variant) for r in results):
-        runs = [r for r in results if (r.config, r.variant) == (config, variant) and r.ms and r.tokens_per_s]
-        if runs:
-            ms = statistics.median(r.ms for r in runs)
-            out.append(replace(runs[0], ms=ms, tokens_per_s=runs[0].tokens_per_s * runs[0].ms / ms))
-    return out
 
 
 def report(results: list[Result], args: argparse.Namespace, plot_too: bool) -> int:
@@ -572,7 +580,7 @@ def report(results: list[Result], args: argparse.Namespace, plot_too: bool) -> i
     with open(os.path.join(args.out, "bench_megatron.json"), "w") as g:
         json.dump({"args": vars(args), "results": [asdict(r) for r in results]}, g, indent=1)
     if plot_too:
-        plot(_median_runs(results) if len(rounds) > 1 else results, os.path.join(args.out, "bench_megatron.png"))
+        plot(results, os.path.join(args.out, "bench_megatron.png"))
     return 1 if any(r.rc for r in results) else 0
 
 

@@ -98,9 +98,25 @@ def test_repeats_pair_each_round_with_its_own_baseline(tmp_path: os.PathLike[str
     assert "| 430.0 (400.0-520.0) |" in ours and "| 1.250x (1.209-1.250) |" in ours and "3 of 3" in ours
     base = next(line for line in text.splitlines() if "megatron-bf16" in line)
     assert "| 520.0 (500.0-650.0) |" in base and "1.000x (1.000-1.000)" in base
-    one = bm._median_runs(results)
-    assert [(r.variant, r.ms) for r in one] == [("megatron-bf16", 520.0), ("ours-tensorwise", 430.0)]
-    assert one[1].tokens_per_s == 4 * 4096 / 0.43
+    paired = bm.paired_ratios(results)  # what the plot draws too: the rounds' ratios, not a ratio of medians
+    assert sorted(paired[("dense-1b", "ours-tensorwise")]) == [520.0 / 430.0, 1.25, 1.25]
+    # a second call's log with the same rounds: rounds of its own, each rated against its own baseline
+    other = os.path.join(tmp_path, "other.log")
+    with open(other, "w") as f:
+        for variant, t in (("megatron-bf16", 300.0), ("ours-tensorwise", 150.0)):
+            f.write(f"===== dense-1b {variant} rc=0 round=0\n$ python pretrain_gpt.py --seq-length 4096 "
+                    f"--global-batch-size 4\n{_megatron_log([900.0, 600.0, t, t], 1000.0, None)}\n")
+    both = bm.from_logs([log, other])
+    assert len(both) == 8 and {r.round for r in both} == {0, 1, 2, 3}
+    assert sorted(bm.paired_ratios(both)[("dense-1b", "ours-tensorwise")]) == [520.0 / 430.0, 1.25, 1.25, 2.0]
+    assert "4 of 4" in bm.rounds_table(both)
+    # a log that only adds variants (a rerun of a call cut short) joins the first log's rounds
+    extra = os.path.join(tmp_path, "extra.log")
+    with open(extra, "w") as f:
+        f.write(f"===== dense-1b ours-blockwise rc=0 round=0\n$ python pretrain_gpt.py --seq-length 4096 "
+                f"--global-batch-size 4\n{_megatron_log([900.0, 600.0, 250.0, 250.0], 1000.0, None)}\n")
+    joined = bm.from_logs([log, extra])
+    assert bm.paired_ratios(joined)[("dense-1b", "ours-blockwise")] == [2.0]
 
 
 def test_megatron_lm_example_script_parses() -> None:
