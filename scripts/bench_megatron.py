@@ -66,7 +66,8 @@ COMMON = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
           "--attention-softmax-in-fp32", "--seed", "1234"]
 # Megatron's fusions that need what this machine lacks: apex (gradient-accumulation fusion, the
 # persistent layer norm), Transformer Engine (RoPE fusion), Megatron's compiled softmax kernels
-# (masked-softmax fusion, unused beside SDPA anyway). Off in both specs, always.
+# (masked-softmax fusion, unused beside SDPA anyway). Off in both specs, always (the plug-in would
+# take the gradient-accumulation fusion without apex for our linears: the ``-fused`` variants).
 NEEDS_TE_OR_APEX = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
                     "--no-persist-layer-norm"]
 # The ones Megatron runs by default without them (torch.compile'd SwiGLU and bias-dropout-add):

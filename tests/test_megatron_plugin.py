@@ -108,6 +108,16 @@ def test_full_and_module_recompute_under_fp8_without_te(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
+def test_gradient_accumulation_fusion_trains_without_apex(report: dict) -> None:
+    # per rank and model (tensorwise, FP8 off): built, the output layer unfused on a config copy,
+    # the note, our linears fuse, each added into main_grad, the output layer not; then every
+    # parameter's main_grad bitwise the unfused model's grad
+    assert report["counts"]["fusion"] >= 2 * 6 * report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_router_padding_for_quantization_builds_and_trains(report: dict) -> None:
     # per rank: three recipes x (config, splits aligned, FP8 GEMMs and loss), and the refused dispatcher
     assert report["counts"]["padding"] == (3 * 3 + 1) * report["world"]

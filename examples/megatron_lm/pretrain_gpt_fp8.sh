@@ -26,7 +26,10 @@ esac
 # The plug-in is the --spec below; starting through megatron_fp8.megatron.launch installs it before
 # megatron-core validates the config, which it must for MoE (or layernorm / moe_act recompute) with
 # --fp8-format and no Transformer Engine, and for Megatron's RoPE fusion (on by default; the plug-in's
-# kernel when TE is absent). --count-gemms prints the FP8 GEMMs per backend at exit.
+# kernel when TE is absent). --count-gemms prints the FP8 GEMMs per backend at exit. Megatron's default
+# --gradient-accumulation-fusion stays on: our linears add their wgrad into main_grad without apex (the
+# plug-in builds megatron-core's own output layer unfused where apex is missing, and says so); pass
+# --no-gradient-accumulation-fusion to turn ours off too.
 PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1 \
 torchrun --standalone --nproc_per_node "${GPUS:-1}" -m megatron_fp8.megatron.launch --count-gemms \
   "$MEGATRON_LM/pretrain_gpt.py" \
@@ -36,7 +39,7 @@ torchrun --standalone --nproc_per_node "${GPUS:-1}" -m megatron_fp8.megatron.lau
   --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8 \
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
   --untie-embeddings-and-output-weights --bf16 --transformer-impl local \
-  --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion \
+  --no-masked-softmax-fusion --no-bias-swiglu-fusion \
   --no-bias-dropout-fusion --no-persist-layer-norm --attention-softmax-in-fp32 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
   --train-iters 50 --log-interval 10 --eval-iters 0 --eval-interval 1000000 \

@@ -35,6 +35,14 @@ __post_init__``                   checks the FP8 fields, then megatron-core's ow
 ``transformer_block.              a spec that is the plug-in's ``layer_spec`` *function* is called
 _get_block_submodules``           with the block's config (Megatron-LM's older builder path passes
                                   ``--spec`` objects through uncalled)
+``tensor_parallel.Column/``       without apex's ``fused_weight_gradient_mlp_cuda``: megatron-core's
+``RowParallelLinear.__init__``    own linears (the output layer, multi-token prediction) are built
+                                  with ``gradient_accumulation_fusion`` off (a copy of the config),
+                                  so Megatron-LM's default ``--gradient-accumulation-fusion`` trains:
+                                  ours fuse without apex, theirs add their wgrad unfused (the column
+                                  one raises at build, the row one would fail in backward). Rank 0
+                                  says so once. Not with ``defer_embedding_wgrad_compute``, which
+                                  needs apex whoever builds the output layer
 ================================  ==============================================================
 
 Each replacement is idempotent and leaves every other input to Megatron's own code.
@@ -42,18 +50,32 @@ Each replacement is idempotent and leaves every other input to Megatron's own co
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from ..autocast import is_fp8_enabled
 from ..recompute import CheckpointWithoutOutput, checkpoint_layers
 from .fp8 import get_fp8_context, recipe_from_megatron
 from .specs import import_megatron
 
-__all__ = ["patch_megatron", "MegatronCheckpointWithoutOutput", "have_te"]
+__all__ = ["patch_megatron", "MegatronCheckpointWithoutOutput", "have_te", "rank0", "print0"]
+
+
+def rank0() -> bool:
+    """Whether this process prints the plug-in's notes (rank 0, or no process group)."""
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(text: str) -> None:
+    """``print`` on rank 0 only, flushed (notes go to the training log, next to Megatron's)."""
+    if rank0():
+        print(text, flush=True)
 
 
 @functools.cache
@@ -226,6 +248,32 @@ def whole_iteration_graph(config: Any) -> bool:
     return impl == "full_iteration" or (impl == "local" and _whole_iteration_scope(config))
 
 
+_UNFUSED_NOTED: set[str] = set()
+
+
+def _unfused_without_apex(init: Callable[..., Any], layers: Any) -> Callable[..., Any]:
+    """megatron-core's linear ``__init__`` building with ``gradient_accumulation_fusion`` off
+    where apex's extension is missing (the module docstring's table says why)."""
+    @functools.wraps(init)
+    def built(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("config")
+        if getattr(config, "gradient_accumulation_fusion", False) \
+                and not getattr(layers, "_grad_accum_fusion_available", True) \
+                and not getattr(config, "defer_embedding_wgrad_compute", False):
+            kwargs["config"] = copy.copy(config)  # the model's own config keeps the flag: our linears read it
+            kwargs["config"].gradient_accumulation_fusion = False
+            owner = type(self).__name__
+            if owner not in _UNFUSED_NOTED:
+                _UNFUSED_NOTED.add(owner)
+                print0(f"megatron_fp8: apex's fused_weight_gradient_mlp_cuda is not installed: megatron-core's own "
+                       f"{owner} (the output layer, multi-token prediction) adds its wgrad to main_grad unfused; "
+                       f"the plug-in's linears fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)")
+        init(self, *args, **kwargs)
+
+    built._megatron_fp8 = True  # type: ignore[attr-defined]
+    return built
+
+
 def _block_submodules(original: Callable[..., Any], resolve: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def resolved(config: Any, spec: Any, *args: Any, **kwargs: Any) -> Any:
@@ -259,6 +307,11 @@ def patch_megatron(layer_spec: Callable[..., Any]) -> None:
         cls.__post_init__ = _post_init_without_te(cls.__post_init__)
 
     _patch_te_checkpoint()
+
+    layers = import_megatron("megatron.core.tensor_parallel.layers", "megatron_fp8.megatron.plugin")
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        if not getattr(cls.__init__, "_megatron_fp8", False):
+            cls.__init__ = _unfused_without_apex(cls.__init__, layers)
 
     block = import_megatron("megatron.core.transformer.transformer_block", "megatron_fp8.megatron.plugin")
     if not getattr(block._get_block_submodules, "_megatron_fp8", False):

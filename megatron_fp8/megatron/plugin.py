@@ -43,7 +43,6 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from ..config import FP8Config, apply_layer_flags, load_config
@@ -52,6 +51,8 @@ from ..ops.graphed import ENV as GRAPHS_ENV
 from ..ops.graphed import graphs_on, run_as_captured
 from . import rope
 from .compat import patch_megatron, whole_iteration_graph
+from .compat import print0 as _print0
+from .compat import rank0 as _rank0
 from .fp8 import recipe_from_megatron
 from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
 
@@ -293,15 +294,6 @@ def _summary(root: nn.Module, plan: dict[str, bool], config: Any) -> str:
         lines.append(f"megatron_fp8: {GRAPHS_ENV}=1: FP8 linears replay per-layer CUDA graphs (captured at their "
                      "first call; a layer that cannot be graphed warns and runs eagerly)")
     return "\n".join(lines)
-
-
-def _rank0() -> bool:
-    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _print0(text: str) -> None:
-    if _rank0():
-        print(text, flush=True)
 
 
 def install() -> None:
