@@ -43,7 +43,8 @@ Categories of the JSON report:
   copy of the config, our linears add their wgrads into ``main_grad`` themselves, and every
   parameter's gradient (``main_grad`` plus what Megatron's DDP hook would add) equals the model
   built with the fusion off bit for bit (FP32 parameters: both wgrads are FP32), tensorwise and
-  FP8 off; rank 0 notes the unfused output layer once.
+  FP8 off, dense at TP=2 and MoE (grouped experts, shared expert) at TP=1; rank 0 notes the
+  unfused output layer once.
 * ``padding``: Megatron's ``moe_router_padding_for_quantization`` (and its alias) under
   ``config.fp8`` builds (megatron-core alone refuses it without TE) and trains, every expert's
   tokens a multiple of megatron-core's alignment; the allgather dispatcher is refused.
@@ -546,25 +547,26 @@ def check_hook_with_pipeline_chunks(ck: Checker) -> None:
             os.environ["MEGATRON_FP8_CONFIG"] = rules
 
 
-def check_fusion_without_apex(ck: Checker, tp: int) -> None:
+def check_fusion_without_apex(ck: Checker, tp: int, moe: bool = False) -> None:
     from megatron.core.tensor_parallel import layers
 
     if getattr(layers, "_grad_accum_fusion_available", False):
         ck.true("fusion", True, "apex's extension is installed: nothing to check")
         return
     for fp8 in (("tensorwise", "hybrid"), None):
-        cfg = _config(tp, fp8, gradient_accumulation_fusion=True)
+        cfg = _config(tp, fp8, moe=moe, gradient_accumulation_fusion=True)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             fused = _build(cfg)
-        plain = _build(_config(tp, fp8))
+        plain = _build(_config(tp, fp8, moe=moe))
         copy_weights(plain, fused)
         head = fused.output_layer
         ck.true("fusion", cfg.gradient_accumulation_fusion and not head.gradient_accumulation_fusion
                 and head.config is not cfg and not head.config.gradient_accumulation_fusion,
                 "the output layer was not built unfused on a copy of the config")
         noted = out.getvalue().count("fused_weight_gradient_mlp_cuda is not installed")
-        ck.true("fusion", noted == (int(dist.get_rank() == 0) if fp8 is not None else 0),
+        first = fp8 is not None and not moe  # the process's first such build
+        ck.true("fusion", noted == (int(dist.get_rank() == 0) if first else 0),
                 f"the unfused output layer noted {noted} times (rank 0: once per process)")
         ours = [m for m in _ours(fused).values() if hasattr(m, "gradient_accumulation_fusion")]
         ck.true("fusion", bool(ours) and all(m.gradient_accumulation_fusion for m in ours),
@@ -576,11 +578,12 @@ def check_fusion_without_apex(ck: Checker, tp: int) -> None:
         for p in fused.parameters():  # Megatron's DDP hook
             if p.grad is not None and not p.grad_added_to_main_grad:
                 p.main_grad.add_(p.grad)
-        ck.true("fusion", all(m.weight.grad_added_to_main_grad for m in ours),
+        weights = [p for m in ours for n, p in m.named_parameters(recurse=False) if n.startswith("weight")]
+        ck.true("fusion", bool(weights) and all(p.grad_added_to_main_grad for p in weights),
                 "a linear of ours did not add its wgrad into main_grad")
         ck.true("fusion", not head.weight.grad_added_to_main_grad, "the output layer claims a fused wgrad")
         _, want, _, _ = _step(plain)
-        tag = fp8[0] if fp8 else "bf16"
+        tag = f"{'moe ' if moe else ''}{fp8[0] if fp8 else 'bf16'}"
         for n, p in fused.named_parameters():
             ck.bitwise("fusion", f"{tag} {n}", p.main_grad, want.get(n))
 
@@ -622,6 +625,7 @@ def main() -> int:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     ck.guard("moe", "MoE GPT under config.fp8", check_moe, ck)
+    ck.guard("fusion", "gradient_accumulation_fusion without apex, MoE", check_fusion_without_apex, ck, 1, True)
     ck.guard("padding", "the router's padding for FP8", check_router_padding, ck)
     ck.guard("recompute", "our recompute vs megatron-core's", check_megatron_recompute_equal, ck)
     ck.guard("layers", "megatron-core's layer recompute under config.fp8", check_layer_recompute, ck)
