@@ -53,6 +53,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -265,9 +266,12 @@ def _unfused_without_apex(init: Callable[..., Any], layers: Any) -> Callable[...
             owner = type(self).__name__
             if owner not in _UNFUSED_NOTED:
                 _UNFUSED_NOTED.add(owner)
+                ours = "do not either (MEGATRON_FP8_WGRAD_FUSION=off)" if os.environ.get(
+                    "MEGATRON_FP8_WGRAD_FUSION", "").strip().lower() == "off" else \
+                    "fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)"
                 print0(f"megatron_fp8: apex's fused_weight_gradient_mlp_cuda is not installed: megatron-core's own "
                        f"{owner} (the output layer, multi-token prediction) adds its wgrad to main_grad unfused; "
-                       f"the plug-in's linears fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)")
+                       f"the plug-in's linears {ours}")
         init(self, *args, **kwargs)
 
     built._megatron_fp8 = True  # type: ignore[attr-defined]
