@@ -11,7 +11,9 @@ Categories of the JSON report:
   ``partition_stride``, ``allreduce``, ``sequence_parallel``, ...), names and values.
 * ``ddp``: two training steps of an MoE ``TransformerLayer`` (4 experts, top-2, grouped GEMM vs
   megatron-core's SequentialMLP) wrapped in megatron-core's ``DistributedDataParallel``: the
-  experts' gradients after the reduction (``main_grad``) bitwise equal, every step.
+  experts' gradients after the reduction (``main_grad``) bitwise equal, every step; and ours
+  with ``gradient_accumulation_fusion`` (our wgrads added into ``main_grad`` by the layers, the
+  reduction overlapped with backward): every parameter's ``main_grad`` bitwise the unfused one's.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ def compare_grid(ck: Checker) -> None:
                                 f"{where} grouped {kind} {n}: ours {_attrs(p)} vs megatron-core {want[base]}")
 
 
-def _moe_config() -> TransformerConfig:
-    return TransformerConfig(num_layers=1, hidden_size=K, num_attention_heads=4, ffn_hidden_size=256,
+def _moe_config(**extra: Any) -> TransformerConfig:
+    kw: dict[str, Any] = dict(num_layers=1, hidden_size=K, num_attention_heads=4, ffn_hidden_size=256,
                              tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
                              expert_model_parallel_size=1, use_cpu_initialization=True, params_dtype=torch.float32,
                              hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
@@ -91,6 +93,8 @@ def _moe_config() -> TransformerConfig:
                              gradient_accumulation_fusion=False, persist_layer_norm=False, num_moe_experts=4,
                              moe_router_topk=2, moe_ffn_hidden_size=128, moe_token_dispatcher_type="allgather",
                              moe_router_load_balancing_type="none")
+    kw.update(extra)
+    return TransformerConfig(**kw)
 
 
 def _expert_name(name: str) -> str:
@@ -110,18 +114,25 @@ def compare_ddp(ck: Checker) -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
     cfg = _moe_config()
-    layers = {}
-    for kind, spec in (("megatron", get_gpt_layer_local_spec(num_experts=4)),
-                       ("ours", get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True))):
+    fused_cfg = _moe_config(gradient_accumulation_fusion=True)  # Megatron-LM's default; ours need no apex
+    layers, configs = {}, {"megatron": cfg, "ours": cfg, "ours-fused": fused_cfg}
+    ours_spec = get_gpt_layer_spec(num_experts=4, moe_grouped_gemm=True)
+    for kind, spec in (("megatron", get_gpt_layer_local_spec(num_experts=4)), ("ours", ours_spec),
+                       ("ours-fused", ours_spec)):
         torch.manual_seed(0)
-        layers[kind] = build_module(spec, config=cfg, layer_number=1).eval()  # eval: MoE + TP without SP
+        layers[kind] = build_module(spec, config=configs[kind], layer_number=1).eval()  # eval: MoE + TP without SP
     ref = dict(layers["megatron"].named_parameters())
     with torch.no_grad():
-        for n, p in layers["ours"].named_parameters():
-            p.copy_(ref[_expert_name(n)])
+        for kind in ("ours", "ours-fused"):
+            for n, p in layers[kind].named_parameters():
+                p.copy_(ref[_expert_name(n)])
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)
-    wrapped = {k: DistributedDataParallel(cfg, ddp_cfg, m) for k, m in layers.items()}
+    # the fused wgrads under the hooks' overlapped reduction (which asserts that every parameter got a .grad)
+    overlapped = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                               use_distributed_optimizer=False)
+    wrapped = {k: DistributedDataParallel(configs[k], overlapped if k == "ours-fused" else ddp_cfg, m)
+               for k, m in layers.items()}
     g = torch.Generator().manual_seed(7 + dist.get_rank())  # different tokens per rank: the experts' DP matters
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril().logical_not()
     for step in range(2):
@@ -137,6 +148,10 @@ def compare_ddp(ck: Checker) -> None:
         ck.true("ddp", len(experts) == 2 * 4, f"our experts' parameters: {experts}")
         for n in experts:
             ck.bitwise("ddp", f"step {step} {n}", grads["ours"][n], grads["megatron"][_expert_name(n)])
+        fused = [m for m in layers["ours-fused"].modules() if getattr(m, "gradient_accumulation_fusion", False)]
+        ck.true("ddp", len(fused) >= 4, f"{len(fused)} of our linears fuse under gradient_accumulation_fusion")
+        for n, want in grads["ours"].items():  # FP32 parameters: the fused wgrads are the unfused ones' bits
+            ck.bitwise("ddp", f"step {step} fused {n}", grads["ours-fused"][n], want)
 
 
 def _stream_shim() -> None:
