@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|hostnative|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -125,6 +125,10 @@ for what in "${steps[@]}"; do
     fullgraph) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs "${FULLGRAPH_CONFIGS:-dense-1b}" --iters 24 \
         --variants megatron-bf16-fullgraph,ours-tensorwise-fullgraph,ours-blockwise-fullgraph,ours-tensorwise-fused-fullgraph,ours-blockwise-fused-fullgraph \
         --fusions rope --no-dropout --timeout 110 --out "$OUT/fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}" 2>&1 | grep -v "^ " | tee "$OUT/bench_fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}.txt" ;;
+    # where an eager Linear step's host time goes in native code (issue 32's excess of a step over its parts,
+    # run AL): py-spy --native at 100 Hz over BF16, current (weight cast and reused) and blockwise steps (~1 min)
+    hostnative) python3 scripts/probes/host_native.py --pyspy-bin /tmp/site/bin/py-spy --out "$OUT/host_native" 2>&1 \
+        | tee "$OUT/host_native.log" ;;
     # eager MoE with our wgrad fusion against without, in interleaved rounds: Megatron-LM's default
     # --gradient-accumulation-fusion now trains without apex under the plug-in (run AT), so users get it;
     # runs AN-AP read it -9% to +8% on single processes (~7 min)

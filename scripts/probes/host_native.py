@@ -1,0 +1,167 @@
+"""Probe: where an eager ``Linear`` step's host time goes in native code, by library and by ATen op.
+
+Issue 32's open question (run AL): a current-scaling step costs ~2x the sum of its routes and
+its glue, and only on a GPU with real kernels. This probe loops one case's fwd+bwd steps in this
+process while ``py-spy record --native`` samples it (``--rate`` Hz for ``--seconds``), then says,
+per busy thread (the training thread; autograd's CUDA device thread runs the backward), what
+share of the samples each shared library holds at the top of the stack (its own time:
+``libcuda`` the driver, ``libcublasLt`` cuBLAS, ``libtorch_cpu`` ATen's dispatcher and the
+autograd engine, Python's interpreter, Triton's launcher module...), which libraries and ATen ops
+(``at::_ops::<op>::call``) are anywhere on the stack (inclusive), and the most frequent top frames.
+Cases: ``bf16`` (``nn.Linear``), ``current``, ``current-reused`` (the FP8 weight kept, as in
+Megatron's later micro-batches), ``blockwise``. Shapes as issue 32's table on a GPU (T=256,
+K=N=2048, BF16); on a CPU a small one, only to exercise the probe. py-spy pauses the process
+for each native sample, so the step time printed (under sampling) is above the unsampled one;
+compare shares, not times.
+
+    python scripts/probes/host_native.py [--cases bf16,current] [--seconds 8] [--rate 100] \
+        [--pyspy-bin /tmp/site/bin/py-spy] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: benchlib
+
+_NATIVE = re.compile(r"\((?P<lib>[^()]*\.so[.\d]*)\)$")  # "func (libfoo.so)"
+_PYTHON = re.compile(r"\((?P<file>[^()]*\.py):\d+\)$")  # "func (path/file.py:123)"
+_ATEN_OP = re.compile(r"at::_ops::(?P<op>\w+)::(?:call|redispatch)")
+_LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+
+
+def frame_kind(frame: str) -> str:
+    """The library a py-spy frame is in (``libcuda.so.1`` -> ``libcuda``), ``python`` for a Python
+    frame, ``other`` for an unnamed address."""
+    m = _NATIVE.search(frame)
+    if m:
+        lib = os.path.basename(m.group("lib"))
+        return re.sub(r"(\.cpython[^.]*)?\.so[.\d]*$", "", lib)
+    return "python" if _PYTHON.search(frame) else "other"
+
+
+@dataclass
+class Thread:
+    name: str
+    total: int = 0
+    own: Counter[str] = field(default_factory=Counter)  # the top frame's library
+    inclusive: Counter[str] = field(default_factory=Counter)  # libraries anywhere on the stack
+    ops: Counter[str] = field(default_factory=Counter)  # ATen ops anywhere on the stack
+    tops: Counter[str] = field(default_factory=Counter)
+
+
+def parse(text: str) -> dict[str, Thread]:
+    """Per thread, from py-spy's raw output with ``--threads`` (``thread (tid): name;frame;... count``)."""
+    threads: dict[str, Thread] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        thread, *frames = m.group("stack").split(";")
+        count = int(m.group("count"))
+        t = threads.setdefault(thread, Thread(thread))
+        t.total += count
+        frames = [f for f in frames if frame_kind(f) != "libc" or f is frames[-1]]  # libc's trampolines
+        kinds = [frame_kind(f) for f in frames]
+        if frames:
+            t.own[kinds[-1]] += count
+            t.tops[frames[-1][:160]] += count
+        for kind in set(kinds):
+            t.inclusive[kind] += count
+        for op in {m.group("op") for f in frames if (m := _ATEN_OP.search(f))}:
+            t.ops[op] += count
+    return threads
+
+
+def table(threads: dict[str, Thread], top: int = 10) -> str:
+    """The two busiest threads: own and inclusive shares per library, ATen ops, top frames."""
+    out = []
+    for t in sorted(threads.values(), key=lambda t: -t.total)[:2]:
+        out.append(f"\n{t.name}: {t.total} samples\n\n| library | own share | on the stack |\n|---|---|---|")
+        for kind, n in t.inclusive.most_common():
+            out.append(f"| {kind} | {t.own[kind] / t.total:.1%} | {n / t.total:.1%} |")
+        if t.ops:
+            out.append("\n| ATen op on the stack | share |\n|---|---|")
+            out += [f"| {op} | {n / t.total:.1%} |" for op, n in t.ops.most_common(top)]
+        out.append("\n| top frame | share |\n|---|---|")
+        out += [f"| `{frame}` | {n / t.total:.1%} |" for frame, n in t.tops.most_common(top)]
+    return "\n".join(out)
+
+
+def _case(name: str, cuda: bool):  # noqa: ANN202 - (step closure, description)
+    import torch
+    from benchlib import train_step
+
+    import megatron_fp8 as mf
+    from megatron_fp8.recipe import PRESETS
+
+    t, k, n = (256, 2048, 2048) if cuda else (16, 128, 128)
+    dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
+    x = torch.randn(t, k, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(t, n, device=dev, dtype=dt)
+    if name == "bf16":
+        return train_step(torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt), x, dy), f"nn.Linear {t}x{k}x{n}"
+    recipe = name.removesuffix("-reused")
+    layer = mf.Linear(k, n, bias=False, params_dtype=dt, device=dev)
+    if name.endswith("-reused"):  # the first step casts the weight, later ones reuse it
+        layer.is_first_microbatch = True
+    return train_step(layer, x, dy, PRESETS[recipe]), f"our Linear, {name}, {t}x{k}x{n}"
+
+
+def record(step, pyspy: str, seconds: int, rate: int, raw: str) -> tuple[int, float, str]:  # noqa: ANN001
+    """Steps looped while py-spy samples this process; (steps, seconds, py-spy's stderr)."""
+    spy = subprocess.Popen([pyspy, "record", "--pid", str(os.getpid()), "--native", "--threads", "--idle",
+                            "--rate", str(rate), "--duration", str(seconds), "--format", "raw", "-o", raw],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps, t0 = 0, time.perf_counter()
+    while spy.poll() is None:
+        step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    return steps, elapsed, spy.stderr.read() if spy.stderr else ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="bf16,current,current-reused,blockwise")
+    ap.add_argument("--seconds", type=int, default=8)
+    ap.add_argument("--rate", type=int, default=100)
+    ap.add_argument("--pyspy-bin", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
+    ap.add_argument("--out", default="/tmp/host_native")
+    args = ap.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    os.makedirs(args.out, exist_ok=True)
+    print(f"# {torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}; py-spy --native at "
+          f"{args.rate} Hz for {args.seconds:g} s a case")
+    for name in args.cases.split(","):
+        step, what = _case(name, cuda)
+        for _ in range(50):  # warm-up: plans, compilations, the allocator's blocks
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        raw = os.path.join(args.out, f"{name}.txt")
+        steps, secs, err = record(step, args.pyspy_bin, args.seconds, args.rate, raw)
+        if cuda:
+            torch.cuda.synchronize()
+        if not os.path.exists(raw):
+            print(f"\n## {what}: py-spy wrote nothing ({err.strip()[-300:]})")
+            continue
+        with open(raw) as f:
+            threads = parse(f.read())
+        print(f"\n## {what}: {steps} steps, {secs / max(steps, 1) * 1e6:.0f} us a step under sampling")
+        print(table(threads))
+
+
+if __name__ == "__main__":
+    main()
