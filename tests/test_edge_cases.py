@@ -224,3 +224,21 @@ def test_fused_wgrad_without_main_grad_names_the_layer() -> None:
             pytest.raises(RuntimeError, match=r"Linear\(proj\): fuse_wgrad_accumulation=True needs weight.main_grad"
                                               r".*MEGATRON_FP8_WGRAD_FUSION=off"):
         layer(torch.randn(16, 64))
+
+
+def test_fused_wgrad_without_main_grad_is_fine_where_no_wgrad_is_computed() -> None:
+    """Inference (no grad, or a frozen weight) needs no ``main_grad``: megatron-core's own linears
+    fuse only where it exists, and Megatron-LM builds models for generation without its DDP."""
+    x = torch.randn(16, 64)
+    for recipe in (None, mf.recipe.Float8CurrentScaling()):
+        layer = mf.Linear(64, 32, bias=False, fuse_wgrad_accumulation=True, name="proj")
+        plain = mf.Linear(64, 32, bias=False, name="proj")
+        plain.load_state_dict(layer.state_dict())
+        with mf.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            with torch.no_grad():
+                assert torch.equal(layer(x), plain(x))
+            layer.weight.requires_grad_(False)
+            assert torch.equal(layer(x), plain(x))
+        grouped = mf.GroupedLinear(2, 64, 32, bias=False, fuse_wgrad_accumulation=True)
+        with mf.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe), torch.no_grad():
+            assert grouped(x, [8, 8]).shape == (16, 32)

@@ -36,6 +36,7 @@ def test_parse_counts_own_and_inclusive_shares_per_thread() -> None:
     main, device = threads["thread (11): MainThread"], threads["thread (12)"]
     assert (main.total, device.total) == (4, 2)
     assert main.own == {"libcuda": 3, "libc": 1}  # the waiting sample's top frame is libc's
+    assert (main.busy, device.busy) == (3, 2)  # pthread_cond_wait: waiting
     assert main.inclusive["libcublasLt"] == 3 and main.inclusive["libtorch_cpu"] == 4
     assert main.inclusive["libc"] == 1  # libc's frames below the top (thread start) are not counted
     assert main.ops == {"_scaled_mm": 3}

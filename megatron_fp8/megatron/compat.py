@@ -270,8 +270,9 @@ def _unfused_without_apex(init: Callable[..., Any], layers: Any) -> Callable[...
                     "MEGATRON_FP8_WGRAD_FUSION", "").strip().lower() == "off" else \
                     "fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)"
                 print0(f"megatron_fp8: apex's fused_weight_gradient_mlp_cuda is not installed: megatron-core's own "
-                       f"{owner} (the output layer, multi-token prediction) adds its wgrad to main_grad unfused; "
-                       f"the plug-in's linears {ours}")
+                       f"{owner} layers (with our spec: the output layer, multi-token prediction) are built with "
+                       f"gradient_accumulation_fusion off and add their wgrad to main_grad unfused; megatron_fp8's "
+                       f"linears, where the model has them, {ours}")
         init(self, *args, **kwargs)
 
     built._megatron_fp8 = True  # type: ignore[attr-defined]

@@ -363,7 +363,8 @@ def linear(
     ``x`` may be a local sequence shard and dim 0 of the output the gathered length."""
     if quantizers is not None and w_fp8 is None:
         w_fp8 = cast_weight(quantizers.weight, weight)
-    if fuse_wgrad_accumulation and not hasattr(weight, "main_grad"):
+    if fuse_wgrad_accumulation and not hasattr(weight, "main_grad") and torch.is_grad_enabled() \
+            and weight.requires_grad:  # (a forward without a wgrad, inference say, needs none)
         owner = quantizers.input.name.rsplit(" ", 1)[0] + ": " if quantizers is not None else ""
         raise RuntimeError(
             f"{owner}fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 buffer, as Megatron's "

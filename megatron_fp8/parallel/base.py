@@ -33,9 +33,10 @@ def wgrad_fusion(config: Any, owner: str) -> bool:
     """Whether the layer adds its wgrad into ``weight.main_grad`` itself (Megatron's
     gradient-accumulation fusion; under per-tensor FP8 scaling on CUDA the wgrad GEMM's epilogue
     adds it, ``gemm.accumulate``). ``MEGATRON_FP8_WGRAD_FUSION``: ``config`` (the default: the
-    config's ``gradient_accumulation_fusion``), ``on`` (whatever the config says: Megatron's own
-    layers need apex for the fusion, so a run without apex passes ``--no-gradient-accumulation-fusion``;
-    ours need nothing but the ``main_grad`` Megatron's DDP gives every parameter) or ``off``."""
+    config's ``gradient_accumulation_fusion``, Megatron-LM's default: without apex the plug-in
+    builds megatron-core's own linears with it off, ``megatron/compat.py``), ``on`` (whatever the
+    config says; ours need nothing but the ``main_grad`` Megatron's DDP gives every parameter) or
+    ``off``."""
     v = env_choice("MEGATRON_FP8_WGRAD_FUSION", "config",
                    {"config": "the config's gradient_accumulation_fusion", "on": "", "off": ""})
     if v == "config":

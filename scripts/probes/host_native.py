@@ -37,6 +37,9 @@ _NATIVE = re.compile(r"\((?P<lib>[^()]*\.so[.\d]*)\)$")  # "func (libfoo.so)"
 _PYTHON = re.compile(r"\((?P<file>[^()]*\.py):\d+\)$")  # "func (path/file.py:123)"
 _ATEN_OP = re.compile(r"at::_ops::(?P<op>\w+)::(?:call|redispatch)")
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+# top frames of a thread that waits (``--idle`` samples every thread each tick): not busy
+_WAITS = ("futex", "pthread_cond", "sem_wait", "epoll_wait", "poll (", "select (", "nanosleep", "__GI___poll",
+          "do_futex_wait", "__lll_lock_wait")
 
 
 def frame_kind(frame: str) -> str:
@@ -53,6 +56,7 @@ def frame_kind(frame: str) -> str:
 class Thread:
     name: str
     total: int = 0
+    busy: int = 0  # samples whose top frame is not a wait (``_WAITS``)
     own: Counter[str] = field(default_factory=Counter)  # the top frame's library
     inclusive: Counter[str] = field(default_factory=Counter)  # libraries anywhere on the stack
     ops: Counter[str] = field(default_factory=Counter)  # ATen ops anywhere on the stack
@@ -75,6 +79,7 @@ def parse(text: str) -> dict[str, Thread]:
         if frames:
             t.own[kinds[-1]] += count
             t.tops[frames[-1][:160]] += count
+            t.busy += 0 if any(w in frames[-1] for w in _WAITS) else count
         for kind in set(kinds):
             t.inclusive[kind] += count
         for op in {m.group("op") for f in frames if (m := _ATEN_OP.search(f))}:
@@ -83,10 +88,12 @@ def parse(text: str) -> dict[str, Thread]:
 
 
 def table(threads: dict[str, Thread], top: int = 10) -> str:
-    """The two busiest threads: own and inclusive shares per library, ATen ops, top frames."""
+    """The two busiest threads (most samples not waiting): own and inclusive shares per library,
+    ATen ops, top frames, as shares of all the thread's samples."""
     out = []
-    for t in sorted(threads.values(), key=lambda t: -t.total)[:2]:
-        out.append(f"\n{t.name}: {t.total} samples\n\n| library | own share | on the stack |\n|---|---|---|")
+    for t in sorted(threads.values(), key=lambda t: -t.busy)[:2]:
+        out.append(f"\n{t.name}: {t.total} samples, {t.busy} not waiting\n\n| library | own share | on the stack |"
+                   "\n|---|---|---|")
         for kind, n in t.inclusive.most_common():
             out.append(f"| {kind} | {t.own[kind] / t.total:.1%} | {n / t.total:.1%} |")
         if t.ops:
@@ -119,15 +126,17 @@ def _case(name: str, cuda: bool):  # noqa: ANN202 - (step closure, description)
 
 def record(step, pyspy: str, seconds: int, rate: int, raw: str) -> tuple[int, float, str]:  # noqa: ANN001
     """Steps looped while py-spy samples this process; (steps, seconds, py-spy's stderr)."""
-    spy = subprocess.Popen([pyspy, "record", "--pid", str(os.getpid()), "--native", "--threads", "--idle",
-                            "--rate", str(rate), "--duration", str(seconds), "--format", "raw", "-o", raw],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    steps, t0 = 0, time.perf_counter()
-    while spy.poll() is None:
-        step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    return steps, elapsed, spy.stderr.read() if spy.stderr else ""
+    with open(raw + ".log", "w+") as log:  # (a file, not a pipe: nothing reads it while the steps run)
+        spy = subprocess.Popen([pyspy, "record", "--pid", str(os.getpid()), "--native", "--threads", "--idle",
+                                "--rate", str(rate), "--duration", str(seconds), "--format", "raw", "-o", raw],
+                               stdout=log, stderr=subprocess.STDOUT)
+        steps, t0 = 0, time.perf_counter()
+        while spy.poll() is None:
+            step()
+            steps += 1
+        elapsed = time.perf_counter() - t0
+        log.seek(0)
+        return steps, elapsed, log.read()
 
 
 def main() -> None:
@@ -140,6 +149,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    if not (os.path.isfile(args.pyspy_bin) and os.access(args.pyspy_bin, os.X_OK)):
+        raise SystemExit(f"host_native.py: no py-spy at {args.pyspy_bin}; pip install py-spy, or pass --pyspy-bin")
     cuda = torch.cuda.is_available()
     os.makedirs(args.out, exist_ok=True)
     print(f"# {torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}; py-spy --native at "

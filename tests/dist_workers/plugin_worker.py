@@ -43,8 +43,9 @@ Categories of the JSON report:
   copy of the config, our linears add their wgrads into ``main_grad`` themselves, and every
   parameter's gradient (``main_grad`` plus what Megatron's DDP hook would add) equals the model
   built with the fusion off bit for bit (FP32 parameters: both wgrads are FP32), tensorwise and
-  FP8 off, dense at TP=2 and MoE (grouped experts, shared expert) at TP=1; rank 0 notes the
-  unfused output layer once.
+  FP8 off, dense at TP=2 (also with the output layer tied to the embedding) and MoE (grouped
+  experts, shared expert) at TP=1, with apex's extension reported missing whether it is or not;
+  rank 0 notes the unfused output layer once.
 * ``padding``: Megatron's ``moe_router_padding_for_quantization`` (and its alias) under
   ``config.fp8`` builds (megatron-core alone refuses it without TE) and trains, every expert's
   tokens a multiple of megatron-core's alignment; the allgather dispatcher is refused.
@@ -120,12 +121,12 @@ def _main_builder_spec(model_config: SimpleNamespace, vp_stage: int | None) -> o
     return spec
 
 
-def _build(cfg: TransformerConfig, older_path: bool = False) -> GPTModel:
+def _build(cfg: TransformerConfig, older_path: bool = False, tied: bool = False) -> GPTModel:
     plugin.install()  # what importing the plug-in did; re-arms the first-forward hook
     torch.manual_seed(0)
     spec = plugin.layer_spec if older_path else _main_builder_spec(SimpleNamespace(transformer=cfg), None)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope")
+                    position_embedding_type="rope", share_embeddings_and_output_weights=tied)
 
 
 def _step(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[gemm.GemmCall], str]:
@@ -550,42 +551,52 @@ def check_hook_with_pipeline_chunks(ck: Checker) -> None:
 def check_fusion_without_apex(ck: Checker, tp: int, moe: bool = False) -> None:
     from megatron.core.tensor_parallel import layers
 
-    if getattr(layers, "_grad_accum_fusion_available", False):
-        ck.true("fusion", True, "apex's extension is installed: nothing to check")
-        return
-    for fp8 in (("tensorwise", "hybrid"), None):
-        cfg = _config(tp, fp8, moe=moe, gradient_accumulation_fusion=True)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            fused = _build(cfg)
-        plain = _build(_config(tp, fp8, moe=moe))
-        copy_weights(plain, fused)
-        head = fused.output_layer
-        ck.true("fusion", cfg.gradient_accumulation_fusion and not head.gradient_accumulation_fusion
-                and head.config is not cfg and not head.config.gradient_accumulation_fusion,
-                "the output layer was not built unfused on a copy of the config")
-        noted = out.getvalue().count("fused_weight_gradient_mlp_cuda is not installed")
-        first = fp8 is not None and not moe  # the process's first such build
-        ck.true("fusion", noted == (int(dist.get_rank() == 0) if first else 0),
-                f"the unfused output layer noted {noted} times (rank 0: once per process)")
-        ours = [m for m in _ours(fused).values() if hasattr(m, "gradient_accumulation_fusion")]
-        ck.true("fusion", bool(ours) and all(m.gradient_accumulation_fusion for m in ours),
-                "our linears do not fuse under the config's gradient_accumulation_fusion")
-        for p in fused.parameters():  # as Megatron's DDP gives every parameter
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-            p.grad_added_to_main_grad = False
-        _step(fused)
-        for p in fused.parameters():  # Megatron's DDP hook
-            if p.grad is not None and not p.grad_added_to_main_grad:
-                p.main_grad.add_(p.grad)
-        weights = [p for m in ours for n, p in m.named_parameters(recurse=False) if n.startswith("weight")]
-        ck.true("fusion", bool(weights) and all(p.grad_added_to_main_grad for p in weights),
-                "a linear of ours did not add its wgrad into main_grad")
-        ck.true("fusion", not head.weight.grad_added_to_main_grad, "the output layer claims a fused wgrad")
-        _, want, _, _ = _step(plain)
-        tag = f"{'moe ' if moe else ''}{fp8[0] if fp8 else 'bf16'}"
-        for n, p in fused.named_parameters():
-            ck.bitwise("fusion", f"{tag} {n}", p.main_grad, want.get(n))
+    available = layers._grad_accum_fusion_available
+    layers._grad_accum_fusion_available = False  # as without apex, where apex is installed too
+    try:
+        cases = [(("tensorwise", "hybrid"), False), (None, False)] + ([] if moe else [(("tensorwise", "hybrid"), True)])
+        for fp8, tied in cases:
+            _fusion_case(ck, tp, moe, fp8, tied)
+    finally:
+        layers._grad_accum_fusion_available = available
+
+
+def _fusion_case(ck: Checker, tp: int, moe: bool, fp8: tuple[str, str] | None, tied: bool) -> None:
+    """One model of ``check_fusion_without_apex`` (``tied``: the output layer reads the embedding's
+    weight, Megatron-LM's default)."""
+    cfg = _config(tp, fp8, moe=moe, gradient_accumulation_fusion=True)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        fused = _build(cfg, tied=tied)
+    plain = _build(_config(tp, fp8, moe=moe), tied=tied)
+    copy_weights(plain, fused)
+    head = fused.output_layer
+    ck.true("fusion", cfg.gradient_accumulation_fusion and not head.gradient_accumulation_fusion
+            and head.config is not cfg and not head.config.gradient_accumulation_fusion,
+            "the output layer was not built unfused on a copy of the config")
+    noted = out.getvalue().count("fused_weight_gradient_mlp_cuda is not installed")
+    first = fp8 is not None and not moe and not tied  # the process's first such build
+    ck.true("fusion", noted == (int(dist.get_rank() == 0) if first else 0),
+            f"the unfused output layer noted {noted} times (rank 0: once per process)")
+    ours = [m for m in _ours(fused).values() if hasattr(m, "gradient_accumulation_fusion")]
+    ck.true("fusion", bool(ours) and all(m.gradient_accumulation_fusion for m in ours),
+            "our linears do not fuse under the config's gradient_accumulation_fusion")
+    for p in fused.parameters():  # as Megatron's DDP gives every parameter
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    _step(fused)
+    for p in fused.parameters():  # Megatron's DDP hook
+        if p.grad is not None and not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+    weights = [p for m in ours for n, p in m.named_parameters(recurse=False) if n.startswith("weight")]
+    ck.true("fusion", bool(weights) and all(p.grad_added_to_main_grad for p in weights),
+            "a linear of ours did not add its wgrad into main_grad")
+    head_weight = head.weight if head.weight is not None else fused.shared_embedding_or_output_weight()  # tied
+    ck.true("fusion", not head_weight.grad_added_to_main_grad, "the output layer claims a fused wgrad")
+    _, want, _, _ = _step(plain)
+    tag = f"{'moe ' if moe else ''}{'tied ' if tied else ''}{fp8[0] if fp8 else 'bf16'}"
+    for n, p in fused.named_parameters():
+        ck.bitwise("fusion", f"{tag} {n}", p.main_grad, want.get(n))
 
 
 def check_errors(ck: Checker) -> None:
