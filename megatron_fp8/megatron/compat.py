@@ -53,7 +53,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -61,6 +60,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..autocast import is_fp8_enabled
+from ..parallel.base import wgrad_fusion
 from ..recompute import CheckpointWithoutOutput, checkpoint_layers
 from .fp8 import get_fp8_context, recipe_from_megatron
 from .specs import import_megatron
@@ -266,9 +266,8 @@ def _unfused_without_apex(init: Callable[..., Any], layers: Any) -> Callable[...
             owner = type(self).__name__
             if owner not in _UNFUSED_NOTED:
                 _UNFUSED_NOTED.add(owner)
-                ours = "do not either (MEGATRON_FP8_WGRAD_FUSION=off)" if os.environ.get(
-                    "MEGATRON_FP8_WGRAD_FUSION", "").strip().lower() == "off" else \
-                    "fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)"
+                ours = "fuse it themselves (MEGATRON_FP8_WGRAD_FUSION=off turns theirs off)" \
+                    if wgrad_fusion(config, owner) else "do not either (MEGATRON_FP8_WGRAD_FUSION=off)"
                 print0(f"megatron_fp8: apex's fused_weight_gradient_mlp_cuda is not installed: megatron-core's own "
                        f"{owner} layers (with our spec: the output layer, multi-token prediction) are built with "
                        f"gradient_accumulation_fusion off and add their wgrad to main_grad unfused; megatron_fp8's "

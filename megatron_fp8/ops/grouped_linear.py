@@ -531,13 +531,13 @@ def grouped_linear(
                          f"weights expect {k}")
     if quantizers is not None and len(quantizers) != n:
         raise ValueError(f"{name}: {len(quantizers)} quantizer sets for {n} experts")
-    if fuse_wgrad_accumulation and not all(hasattr(w, "main_grad") for w in weights) and torch.is_grad_enabled() \
-            and any(w.requires_grad for w in weights):  # (a forward without a wgrad needs none)
+    wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    if fuse_wgrad_accumulation and wgrad and not all(hasattr(w, "main_grad") for w in weights):
+        # (a forward without a wgrad needs none)
         raise RuntimeError(f"{name}: fuse_wgrad_accumulation=True needs main_grad on every expert weight (an "
                            f"FP32 buffer, as Megatron's DDP allocates); allocate it or turn the fusion off")
     if quantizers is not None and w_fp8 is None:
         w_fp8 = [cast_weight(q.weight, w) for q, w in zip(quantizers, weights)]
-    wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     if isinstance(w_fp8, Segments) and w_fp8.rows is not None and len(w_fp8.rows.splits) != n:
         raise ValueError(f"{name}: FP8 weights of {len(w_fp8.rows.splits)} experts for {n} experts")
     args = GroupedArgs(splits, w_fp8 if isinstance(w_fp8, Segments) or w_fp8 is None else tuple(w_fp8),
