@@ -126,8 +126,10 @@ for what in "${steps[@]}"; do
         --variants megatron-bf16-fullgraph,ours-tensorwise-fullgraph,ours-blockwise-fullgraph,ours-tensorwise-fused-fullgraph,ours-blockwise-fused-fullgraph \
         --fusions rope --no-dropout --timeout 110 --out "$OUT/fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}" 2>&1 | grep -v "^ " | tee "$OUT/bench_fullgraph-${FULLGRAPH_CONFIGS:-dense-1b}.txt" ;;
     # where an eager Linear step's host time goes in native code (issue 32's excess of a step over its parts,
-    # run AL): py-spy --native at 100 Hz over BF16, current (weight cast and reused) and blockwise steps (~1 min)
-    hostnative) python3 scripts/probes/host_native.py --pyspy-bin /tmp/site/bin/py-spy --out "$OUT/host_native" 2>&1 \
+    # run AL): py-spy --native at 100 Hz over BF16, current (weight cast and reused) and blockwise Linear steps, then
+    # the grouped ones (torch._grouped_mm, FP8 off, current with even and router splits) (~2 min)
+    hostnative) python3 scripts/probes/host_native.py --pyspy-bin /tmp/site/bin/py-spy --out "$OUT/host_native" \
+        --cases bf16,current,current-reused,blockwise,grouped-bf16,grouped-off,grouped-current,grouped-current-router 2>&1 \
         | tee "$OUT/host_native.log" ;;
     # eager MoE with our wgrad fusion against without, in interleaved rounds: Megatron-LM's default
     # --gradient-accumulation-fusion now trains without apex under the plug-in (run AT), so users get it;

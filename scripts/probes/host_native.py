@@ -9,7 +9,8 @@ share of the samples each shared library holds at the top of the stack (its own 
 autograd engine, Python's interpreter, Triton's launcher module...), which libraries and ATen ops
 (``at::_ops::<op>::call``) are anywhere on the stack (inclusive), and the most frequent top frames.
 Cases: ``bf16`` (``nn.Linear``), ``current``, ``current-reused`` (the FP8 weight kept, as in
-Megatron's later micro-batches), ``blockwise``. Shapes as issue 32's table on a GPU (T=256,
+Megatron's later micro-batches), ``blockwise``; ``grouped-bf16`` (``torch._grouped_mm``),
+``grouped-off``, ``grouped-current``, ``grouped-blockwise``, ``grouped-current-router``. Shapes as issue 32's table on a GPU (T=256,
 K=N=2048, BF16); on a CPU a small one, only to exercise the probe. py-spy pauses the process
 for each native sample, so the step time printed (under sampling) is above the unsampled one;
 compare shares, not times.
@@ -113,6 +114,8 @@ def _case(name: str, cuda: bool):  # noqa: ANN202 - (step closure, description)
 
     t, k, n = (256, 2048, 2048) if cuda else (16, 128, 128)
     dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
+    if name.startswith("grouped-"):
+        return _grouped_case(name.removeprefix("grouped-"), t, k, n, dev, dt)
     x = torch.randn(t, k, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(t, n, device=dev, dtype=dt)
     if name == "bf16":
@@ -122,6 +125,36 @@ def _case(name: str, cuda: bool):  # noqa: ANN202 - (step closure, description)
     if name.endswith("-reused"):  # the first step casts the weight, later ones reuse it
         layer.is_first_microbatch = True
     return train_step(layer, x, dy, PRESETS[recipe]), f"our Linear, {name}, {t}x{k}x{n}"
+
+
+def _grouped_case(what: str, t: int, k: int, n: int, dev: str, dt: object):  # noqa: ANN202
+    """8 experts x ``t`` tokens (issue 32's grouped rows): ``bf16`` (``torch._grouped_mm`` on one
+    stacked weight), ``off`` (our GroupedLinear, FP8 off), ``current`` / ``blockwise`` (even
+    splits), ``current-router`` (a new top-2 router split each step)."""
+    import torch
+    from benchlib import train_step
+
+    import megatron_fp8 as mf
+    from megatron_fp8.recipe import PRESETS
+    from megatron_fp8.testing import router_splits
+
+    e = 8
+    x = torch.randn(t * e, k, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(t * e, n, device=dev, dtype=dt)
+    if what == "bf16":
+        w = torch.randn(e, n, k, device=dev, dtype=dt, requires_grad=True)
+        offs = torch.tensor([t] * e, device=dev).cumsum(0).to(torch.int32)
+
+        def step() -> None:
+            x.grad = w.grad = None
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(dy)
+        return step, f"torch._grouped_mm, {e} x {t}x{k}x{n}"
+    layer = mf.GroupedLinear(e, k, n, bias=False, params_dtype=dt, device=dev)
+    recipe = None if what == "off" else PRESETS[what.removesuffix("-router")]
+    if what.endswith("-router"):
+        routed = [router_splits(t * e, e, 2, seed=s) for s in range(16)]
+        return train_step(layer, x, dy, recipe, routed=routed), f"our GroupedLinear, {what}, {e} x ~{t}x{k}x{n}"
+    return train_step(layer, x, dy, recipe, [t] * e), f"our GroupedLinear, {what}, {e} x {t}x{k}x{n}"
 
 
 def record(step, pyspy: str, seconds: int, rate: int, raw: str) -> tuple[int, float, str]:  # noqa: ANN001
