@@ -10,9 +10,10 @@ autograd engine, Python's interpreter, Triton's launcher module...), which libra
 (``at::_ops::<op>::call``) are anywhere on the stack (inclusive), and the most frequent top frames.
 Cases: ``bf16`` (``nn.Linear``), ``current``, ``current-reused`` (the FP8 weight kept, as in
 Megatron's later micro-batches), ``blockwise``; ``grouped-bf16`` (``torch._grouped_mm``),
-``grouped-off``, ``grouped-current``, ``grouped-blockwise``, ``grouped-current-router``. Shapes as issue 32's table on a GPU (T=256,
-K=N=2048, BF16); on a CPU a small one, only to exercise the probe. py-spy pauses the process
-for each native sample, so the step time printed (under sampling) is above the unsampled one;
+``grouped-off``, ``grouped-current``, ``grouped-blockwise``, ``grouped-current-router``.
+Shapes as issue 32's table on a GPU (T=256, K=N=2048, BF16; 8 experts for the grouped ones);
+on a CPU a small one, only to exercise the probe. py-spy pauses the process for each native
+sample, so the step time printed (under sampling) is above the unsampled one;
 compare shares, not times.
 
     python scripts/probes/host_native.py [--cases bf16,current] [--seconds 8] [--rate 100] \
