@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -146,6 +147,14 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], None]]]:
         steps.append((f"our Linear, {name}, general path", _general(_fwd_bwd(linear(), x, dy, PRESETS[name]))))
     for name in ("current", "blockwise", "delayed"):  # Megatron's later micro-batches: the weight's cast kept
         steps.append((f"our Linear, {name}, weight cast reused", _fwd_bwd(linear(), x, dy, PRESETS[name], False)))
+    if CUDA:  # the GEMMs on cuBLASLt called directly (kernels/cublaslt.py's bound calls) instead of torch's
+        for name, var in (("current", "MEGATRON_FP8_TENSOR_GEMM"), ("delayed", "MEGATRON_FP8_TENSOR_GEMM"),
+                          ("blockwise", "MEGATRON_FP8_BLOCK_GEMM")):
+            steps.append((f"our Linear, {name}, cuBLASLt direct ({var}=cublaslt)",
+                          _with_env(_fwd_bwd(linear(), x, dy, PRESETS[name]), var, "cublaslt")))
+        steps.append(("our Linear, current, weight cast reused, cuBLASLt direct",
+                      _with_env(_fwd_bwd(linear(), x, dy, PRESETS["current"], False), "MEGATRON_FP8_TENSOR_GEMM",
+                                "cublaslt")))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
     steps.append(("our Linear, blockwise HYBRID",
                   _fwd_bwd(linear(), x, dy, Float8BlockScaling(fp8_format=Format.HYBRID))))
@@ -212,6 +221,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
     reference timed again in each: a failed capture may leave the process's CUDA state unusable
     (ops/graphed.py), so it ends the graph rounds (the rows not timed read nan) and nothing else."""
     steps = dict(_steps(args))
+    if getattr(args, "rows", None):  # a subset, with the BF16 references
+        steps = {lab: st for lab, st in steps.items() if lab.startswith("BF16") or re.search(args.rows, lab)}
     labels = list(steps)
     plain = [lab for lab in labels if not _graphed(lab)]
     calls = max(1, args.calls // args.rounds)
@@ -289,6 +300,8 @@ def main() -> None:
                    help="rounds per process: every row timed in each, in a rotated order; a row's ratio is the "
                         "median of its per-round ratios to its reference")
     p.add_argument("--processes", type=int, default=1, help="fresh processes; the table gives medians")
+    p.add_argument("--rows", default=None, help="only the rows whose label matches this regular expression "
+                   "(and the BF16 references)")
     p.add_argument("--out", default=None, help="also write the table to DIR/profile_host.md (scripts/probes/ab_env.py)")
     p.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
                    help="engine: backward on autograd's CUDA device thread (PyTorch's default); caller: on the "

@@ -306,6 +306,25 @@ def test_tensorwise_direct_call_is_torchs(monkeypatch: pytest.MonkeyPatch, pair:
         assert torch.equal(out, ref), (m, n, k, _rel(out, ref))
 
 
+def test_bound_call_is_matmuls_and_declines_other_operands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cublaslt.bind``: the lean routes' per-problem call gives ``matmul``'s (torch's) bits, and
+    declines (nothing written) operands of another shape or a misaligned output."""
+    monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", "cublaslt")
+    torch.manual_seed(3)
+    a, sa, b, sb = _tensor_operands(256, 2048, 1024, "e4m3", "e4m3")
+    bound = cublaslt.bind(a, sa, L.TENSOR, b, sb, L.TENSOR, torch.bfloat16)
+    assert bound is not None
+    for _ in range(2):  # fresh operands of the same problem: the bound call serves them
+        a, sa, b, sb = _tensor_operands(256, 2048, 1024, "e4m3", "e4m3")
+        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        out = torch.full_like(ref, float("nan"))
+        assert bound(a, sa, b, sb, out) and torch.equal(out, ref)
+    other = torch.full((128, 2048), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert not bound(a[:128], sa, b, sb, other) and other.isnan().all()
+    wide = torch.full((256 * 2048 + 8,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert not bound(a, sa, b, sb, wide[8:].view(256, 2048)) and wide.isnan().all()
+
+
 def test_tensorwise_accumulate_adds_into_fp32() -> None:
     """``gemm.accumulate``: ``into += a @ b.T`` in the epilogue (beta = 1), within FP32 rounding of
     adding torch's FP32 GEMM; declined (nothing written) for a BF16 or misaligned buffer."""
@@ -325,20 +344,20 @@ def test_tensorwise_accumulate_adds_into_fp32() -> None:
     assert not core.accumulate(opa, opb, wide[1:].view(1024, 2048)) and not wide.any()
 
 
-_REAL_MATMUL = cublaslt.matmul
+_REAL_LAUNCH = cublaslt._Plan.launch
 
 
 def _fused_steps(monkeypatch: pytest.MonkeyPatch, lean: str, tensor_gemm: str,
                  soi: bool) -> tuple[list[torch.Tensor], list[bool]]:
     monkeypatch.setenv("MEGATRON_FP8_LEAN", lean)
     monkeypatch.setenv("MEGATRON_FP8_TENSOR_GEMM", tensor_gemm)
-    seen: list[bool] = []
-    real = _REAL_MATMUL
+    seen: list[bool] = []  # every direct cuBLASLt launch: whether it accumulated
+    real = _REAL_LAUNCH
 
-    def spy(*args: object, **kw: object) -> bool:
-        seen.append(bool(kw.get("accumulate", False)))
-        return real(*args, **kw)
-    monkeypatch.setattr(cublaslt, "matmul", spy)
+    def spy(plan: object, a: int, sa: int, b: int, sb: int, out: int, accumulate: bool, *rest: object) -> None:
+        seen.append(accumulate)
+        real(plan, a, sa, b, sb, out, accumulate, *rest)
+    monkeypatch.setattr(cublaslt._Plan, "launch", spy)
     torch.manual_seed(2)
     layer = mf.Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", save_original_input=soi,
                       fuse_wgrad_accumulation=True, name="proj")

@@ -43,3 +43,21 @@ def test_parse_counts_own_and_inclusive_shares_per_thread() -> None:
     assert device.own == {"__triton_launcher": 2}
     text = host_native.table(threads)
     assert "| libcuda | 75.0% | 75.0% |" in text and "| _scaled_mm | 75.0% |" in text
+
+
+def test_unnamed_top_frame_under_a_wait_is_waiting_and_phases_split_the_step() -> None:
+    raw = "\n".join([
+        # the training thread waiting in backward: an unnamed libc address on top of pthread_cond_wait
+        "thread (11): MainThread;step (benchlib.py:101);THPEngine_run_backward (libtorch_python.so);"
+        "torch::autograd::Engine::thread_main (libtorch_cpu.so);pthread_cond_wait (libc.so.6);"
+        "0x7efd84498e51 (libc.so.6) 2",
+        # the same thread busy in forward
+        "thread (11): MainThread;step (benchlib.py:100);at::_ops::_scaled_mm::call (libtorch_cpu.so) 3",
+        # and busy in backward (on the calling thread)
+        "thread (11): MainThread;step (benchlib.py:101);THPEngine_run_backward (libtorch_python.so);"
+        "cuLaunchKernelEx (libcuda.so.1) 1",
+    ])
+    main = host_native.parse(raw)["thread (11): MainThread"]
+    assert main.busy == 4
+    assert main.phases == {"backward, waiting": 2, "busy": 3, "backward, busy": 1}
+    assert "backward, waiting 33.3%" in host_native.table({"m": main})

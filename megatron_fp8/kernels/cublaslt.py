@@ -66,6 +66,7 @@ SCALE_MODES = {L.TENSOR: 0, L.BLOCK_1x128: 4, L.BLOCK_128x128: 5}  # SCALAR_32F,
 PREF_MAX_WORKSPACE_BYTES = 1
 ALIGN = 256  # bytes: cuBLASLt's default minimum alignment of A, B, C and D (no preference lowers it)
 _ONE, _ZERO = ctypes.c_float(1.0), ctypes.c_float(0.0)
+_ONE_ADDR, _ZERO_ADDR = ctypes.addressof(_ONE), ctypes.addressof(_ZERO)
 
 
 class Algo(ctypes.Structure):
@@ -118,6 +119,17 @@ def _handle(device: int) -> ctypes.c_void_p:
     return handle
 
 
+@functools.cache
+def _calls() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """``cublasLtMatmulDescSetAttribute`` and ``cublasLtMatmul`` as function objects of their own
+    with argument types declared (plain ints pass as pointers: no ctypes object made per call)."""
+    lib, vp = library(), ctypes.c_void_p
+    set_attr, mm = lib["cublasLtMatmulDescSetAttribute"], lib["cublasLtMatmul"]
+    set_attr.argtypes, set_attr.restype = [vp, ctypes.c_int, vp, ctypes.c_size_t], ctypes.c_int
+    mm.argtypes, mm.restype = [vp] * 14 + [ctypes.c_size_t, vp], ctypes.c_int
+    return set_attr, mm
+
+
 @dataclass
 class _Plan:
     """One problem's descriptors and the kernel the heuristic picked for it."""
@@ -129,6 +141,28 @@ class _Plan:
     d: ctypes.c_void_p  # our out ``[m, n]`` row-major seen as ``[n, m]`` (also C)
     algo: Algo
     lock: threading.Lock  # the descriptor holds one call's scale pointers until it is launched
+
+    def __post_init__(self) -> None:
+        # the scale pointers' host-side boxes and every fixed argument, as plain ints
+        self.boxes = (ctypes.c_void_p(), ctypes.c_void_p())
+        self.box_addrs = tuple(ctypes.addressof(b) for b in self.boxes)
+        self.fixed = (self.handle.value, self.desc.value, self.a.value, self.b.value, self.d.value,
+                      ctypes.addressof(self.algo))
+
+    def launch(self, a: int, a_scale: int, b: int, b_scale: int, out: int, accumulate: bool, ws: int, ws_bytes: int,
+               stream: int) -> None:
+        """``out (+)= a @ b.T`` on ``stream``, every argument a pointer (an int)."""
+        set_attr, mm = _calls()
+        handle, desc, lay_a, lay_b, lay_d, algo = self.fixed
+        box_a, box_b = self.boxes
+        with self.lock:
+            box_a.value, box_b.value = b_scale, a_scale  # cuBLASLt's A is our b
+            status = (set_attr(desc, DESC_A_SCALE_POINTER, self.box_addrs[0], 8)
+                      or set_attr(desc, DESC_B_SCALE_POINTER, self.box_addrs[1], 8))
+            if not status:
+                status = mm(handle, desc, _ONE_ADDR, b, lay_a, a, lay_b, _ONE_ADDR if accumulate else _ZERO_ADDR, out,
+                            lay_d, out, lay_d, algo, ws or None, ws_bytes, stream)
+        _ok(status, "cublasLtMatmul")
 
 
 _plans: dict[tuple, _Plan | None] = {}
@@ -291,34 +325,61 @@ def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: tor
     (per-tensor scales only). False, with nothing launched, where cuBLASLt has no kernel for the
     problem (or failed to plan it: warned once), a pointer is not 256-byte aligned (block scales:
     16) or an operand is not contiguous. Only for what ``serves`` accepts. A failing launch raises."""
-    scale_align = 4 if a_layout is L.TENSOR else 16
-    if (any(t.data_ptr() % ALIGN for t in (a, b, out)) or a_scale.data_ptr() % scale_align
-            or b_scale.data_ptr() % scale_align or not (a.is_contiguous() and b.is_contiguous())):
+    bound = bind(a, a_scale, a_layout, b, b_scale, b_layout, out.dtype, fast_accum, accumulate)
+    if bound is None:
         return False
-    (m, k), (n, _) = a.shape, b.shape
+    if torch._C._cuda_getDevice() != bound.device:  # the handle and the launch belong to a's device
+        with torch.cuda.device(bound.device):
+            return bound(a, a_scale, b, b_scale, out)
+    return bound(a, a_scale, b, b_scale, out)
+
+
+class Bound:
+    """``matmul`` for one problem with its plan found: what a lean route (``ops.routes``) calls
+    every step. Per call it only checks the operands' shapes and pointers, reads the current
+    stream and launches (``_Plan.launch``); ``matmul`` also builds the problem's key, looks the
+    plan up and makes Python objects for every pointer. Same plan, same kernel, same bits."""
+
+    __slots__ = ("plan", "device", "a_shape", "b_shape", "scale_align", "ws_bytes", "accumulate")
+
+    def __init__(self, plan: _Plan, device: int, a_shape: torch.Size, b_shape: torch.Size, scale_align: int,
+                 ws_bytes: int, accumulate: bool) -> None:
+        self.plan, self.device, self.a_shape, self.b_shape = plan, device, a_shape, b_shape
+        self.scale_align, self.ws_bytes, self.accumulate = scale_align, ws_bytes, accumulate
+
+    def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 out: torch.Tensor) -> bool:
+        """``out (+)= a @ b.T`` as ``matmul``; False, with nothing launched, where ``matmul`` would
+        decline it, or for operands of other shapes or another device than the bound ones (the
+        caller then runs the general GEMM)."""
+        pa, pb, po, psa, psb = a.data_ptr(), b.data_ptr(), out.data_ptr(), a_scale.data_ptr(), b_scale.data_ptr()
+        if (pa % ALIGN or pb % ALIGN or po % ALIGN or psa % self.scale_align or psb % self.scale_align
+                or a.shape != self.a_shape or b.shape != self.b_shape or not (a.is_contiguous() and b.is_contiguous())
+                or torch._C._cuda_getDevice() != self.device):
+            return False
+        stream = torch._C._cuda_getCurrentRawStream(self.device)
+        ws = _workspaces.get((self.device, stream)) if self.ws_bytes else None
+        if ws is None and self.ws_bytes:
+            ws = _workspace(self.device, stream)
+        self.plan.launch(pa, psa, pb, psb, po, self.accumulate, ws.data_ptr() if ws is not None else 0,
+                         self.ws_bytes, stream)
+        return True
+
+
+def bind(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_scale: torch.Tensor,
+         b_layout: ScaleLayout, out_dtype: torch.dtype, fast_accum: bool = False, accumulate: bool = False
+         ) -> Bound | None:
+    """``matmul`` for operands like these (same shapes, dtypes, layouts, device) bound to its plan,
+    or None where cuBLASLt has no kernel for it. Only for what ``serves`` accepts."""
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    ws = _workspace(device, stream)
-    ws_bytes = ws.numel() if ws is not None else 0
-    key = (device, m, n, k, a.dtype, b.dtype, out.dtype, a_layout, b_layout, ws_bytes,
+    ws_bytes = workspace_bytes(device)
+    (m, k), (n, _) = a.shape, b.shape
+    key = (device, m, n, k, a.dtype, b.dtype, out_dtype, a_layout, b_layout, ws_bytes,
            fast_accum and a_layout is L.TENSOR)
     plan = _plans.get(key, False)
     if plan is False:
         with torch.cuda.device(device):
             plan = _plans[key] = _plan_or_none(key, a_scale, b_scale)
     if plan is None:
-        return False
-    if torch.cuda.current_device() != device:  # the handle and the launch belong to a's device
-        with torch.cuda.device(device):
-            return matmul(a, a_scale, a_layout, b, b_scale, b_layout, out, fast_accum, accumulate)
-    lib = library()
-    with plan.lock:
-        _set(lib, plan.desc, DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale.data_ptr()))
-        _set(lib, plan.desc, DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale.data_ptr()))
-        _ok(lib.cublasLtMatmul(plan.handle, plan.desc, ctypes.byref(_ONE), ctypes.c_void_p(b.data_ptr()), plan.a,
-                               ctypes.c_void_p(a.data_ptr()), plan.b, ctypes.byref(_ONE if accumulate else _ZERO),
-                               ctypes.c_void_p(out.data_ptr()), plan.d, ctypes.c_void_p(out.data_ptr()), plan.d,
-                               ctypes.byref(plan.algo), ctypes.c_void_p(ws.data_ptr() if ws is not None else None),
-                               ctypes.c_size_t(ws_bytes), ctypes.c_void_p(stream)),
-            "cublasLtMatmul")
-    return True
+        return None
+    return Bound(plan, device, a.shape, b.shape, 4 if a_layout is L.TENSOR else 16, ws_bytes, accumulate)

@@ -284,9 +284,14 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
         return general
     records = gemm_mod._state.records
     if a.layout is L.TENSOR and cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
+        bound = cublaslt.bind(a.data, a.scale_inv, L.TENSOR, b.data, b.scale_inv, L.TENSOR, out_dtype, fast_accum)
+        if bound is None:  # no kernel for it: gemm runs torch's
+            return general
+        device = a.data.device
+
         def tensorwise_lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-            y = torch.empty((m, n), dtype=out_dtype, device=a.device)
-            if not cublaslt.matmul(a, sa, L.TENSOR, b, sb, L.TENSOR, y, fast_accum):
+            y = torch.empty((m, n), dtype=out_dtype, device=device)
+            if not bound(a, sa, b, sb, y):
                 return general(a, sa, b, sb)  # a pointer it does not take: gemm runs torch's
             if records:
                 gemm_mod.record(name, backend, layouts, (m, n, k))
@@ -306,11 +311,15 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
         if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
             return general  # Triton's GEMM or emulation: gemm decides and records
         recorded = f"{name}[cublaslt]" if hybrid else name  # as gemm records them
+        bound = cublaslt.bind(a.data, layout_of(a.scale_inv, layouts[0]), layouts[0], b.data,
+                              layout_of(b.scale_inv, layouts[1]), layouts[1], out_dtype)
+        if bound is None:
+            return general  # no kernel for it: gemm decides (Triton's GEMM) and records
+        device = a.data.device
 
         def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-            y = torch.empty((m, n), dtype=out_dtype, device=a.device)
-            if not cublaslt.matmul(a, layout_of(sa, layouts[0]), layouts[0], b, layout_of(sb, layouts[1]),
-                                   layouts[1], y):
+            y = torch.empty((m, n), dtype=out_dtype, device=device)
+            if not bound(a, layout_of(sa, layouts[0]), b, layout_of(sb, layouts[1]), y):
                 return general(a, sa, b, sb)
             if records:
                 gemm_mod.record(recorded, backend, layouts, (m, n, k))

@@ -63,6 +63,15 @@ class Thread:
     inclusive: Counter[str] = field(default_factory=Counter)  # libraries anywhere on the stack
     ops: Counter[str] = field(default_factory=Counter)  # ATen ops anywhere on the stack
     tops: Counter[str] = field(default_factory=Counter)
+    # forward / backward-busy / backward-waiting / waiting: the step's phases on this thread
+    phases: Counter[str] = field(default_factory=Counter)
+
+
+def _waiting(frames: list[str]) -> bool:
+    """Whether a sample waits: its nearest frame with a symbol (an unnamed libc address on top is
+    the syscall under ``pthread_cond_wait``) is a wait (``_WAITS``)."""
+    named = [f for f in frames if not f.startswith("0x")]
+    return bool(named) and any(w in named[-1] for w in _WAITS)
 
 
 def parse(text: str) -> dict[str, Thread]:
@@ -76,12 +85,15 @@ def parse(text: str) -> dict[str, Thread]:
         count = int(m.group("count"))
         t = threads.setdefault(thread, Thread(thread))
         t.total += count
+        waiting = _waiting(frames)
         frames = [f for f in frames if frame_kind(f) != "libc" or f is frames[-1]]  # libc's trampolines
         kinds = [frame_kind(f) for f in frames]
         if frames:
             t.own[kinds[-1]] += count
             t.tops[frames[-1][:160]] += count
-            t.busy += 0 if any(w in frames[-1] for w in _WAITS) else count
+            t.busy += 0 if waiting else count
+            backward = any("run_backward" in f or "Engine::thread_main" in f for f in frames)
+            t.phases[("backward, " if backward else "") + ("waiting" if waiting else "busy")] += count
         for kind in set(kinds):
             t.inclusive[kind] += count
         for op in {m.group("op") for f in frames if (m := _ATEN_OP.search(f))}:
@@ -94,8 +106,9 @@ def table(threads: dict[str, Thread], top: int = 10) -> str:
     ATen ops, top frames, as shares of all the thread's samples."""
     out = []
     for t in sorted(threads.values(), key=lambda t: -t.busy)[:2]:
-        out.append(f"\n{t.name}: {t.total} samples, {t.busy} not waiting\n\n| library | own share | on the stack |"
-                   "\n|---|---|---|")
+        phases = ", ".join(f"{k} {n / t.total:.1%}" for k, n in sorted(t.phases.items()))
+        out.append(f"\n{t.name}: {t.total} samples, {t.busy} not waiting ({phases})\n\n"
+                   "| library | own share | on the stack |\n|---|---|---|")
         for kind, n in t.inclusive.most_common():
             out.append(f"| {kind} | {t.own[kind] / t.total:.1%} | {n / t.total:.1%} |")
         if t.ops:
@@ -180,8 +193,14 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=100)
     ap.add_argument("--pyspy-bin", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
     ap.add_argument("--out", default="/tmp/host_native")
+    ap.add_argument("--backward-thread", choices=("engine", "caller"), default="engine",
+                    help="engine: backward on autograd's CUDA device thread (PyTorch's default); caller: on the "
+                         "calling thread (torch.autograd.set_multithreading_enabled(False)), where py-spy sees it")
     args = ap.parse_args()
     import torch
+
+    if args.backward_thread == "caller":
+        torch.autograd.set_multithreading_enabled(False)  # (thread-local: this thread's backward calls)
 
     if not (os.path.isfile(args.pyspy_bin) and os.access(args.pyspy_bin, os.X_OK)):
         raise SystemExit(f"host_native.py: no py-spy at {args.pyspy_bin}; pip install py-spy, or pass --pyspy-bin")
@@ -204,7 +223,13 @@ def main() -> None:
             continue
         with open(raw) as f:
             threads = parse(f.read())
-        print(f"\n## {what}: {steps} steps, {secs / max(steps, 1) * 1e6:.0f} us a step under sampling")
+        step_us = secs / max(steps, 1) * 1e6
+        print(f"\n## {what}: {steps} steps, {step_us:.0f} us a step under sampling (backward on the "
+              f"{args.backward_thread} thread)")
+        main_thread = next((t for t in threads.values() if "MainThread" in t.name), None)
+        if main_thread is not None and main_thread.total:  # the step's time on this thread, by phase
+            print("main thread, us a step: " + ", ".join(
+                f"{k} {n / main_thread.total * step_us:.0f}" for k, n in sorted(main_thread.phases.items())))
         print(table(threads))
 
 
