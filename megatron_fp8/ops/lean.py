@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import gemm as gemm_mod
 from ..quant.tensor import Operand, QuantizedTensor
 from ..settings import env_choice
 from . import paths, routes
@@ -63,8 +62,8 @@ class LinearPlan:
     """The routes of one linear for one input signature: x's cast, the three GEMMs (made at
     their first use, from the operands they first see) and dy's cast."""
 
-    __slots__ = ("q", "soi", "wgrad", "comm", "cast_x", "fprop", "dgrad", "wgrad_gemm", "dy_route", "out_dtype",
-                 "proven", "backward_proven")
+    __slots__ = ("q", "soi", "wgrad", "comm", "cast_x", "fprop", "dgrad", "wgrad_gemm", "wgrad_add", "dy_route",
+                 "out_dtype", "proven", "backward_proven")
 
     def __init__(self, q: LinearQuantizers, x2d: torch.Tensor, soi: bool, wgrad: bool, comm: Any) -> None:
         self.q, self.soi, self.wgrad, self.comm = q, soi, wgrad, comm
@@ -72,6 +71,7 @@ class LinearPlan:
         self.fprop: routes.GemmRoute | None = None
         self.dgrad: routes.GemmRoute | None = None
         self.wgrad_gemm: routes.GemmRoute | None = None
+        self.wgrad_add: routes.AccumulateRoute | None = None  # the wgrad added into main_grad (fused)
         self.dy_route: routes.CastRoute | None = None
         self.out_dtype = x2d.dtype
         self.proven = False  # a forward ran through it
@@ -184,6 +184,7 @@ class LeanLinear(torch.autograd.Function):
                 plan.dgrad = routes.general_gemm("dgrad", (q.grad_output.layout, ctx.w_layout), plan.out_dtype, False)
                 plan.wgrad_gemm = routes.general_gemm("wgrad", (q.grad_output.layout, q.input.layout), wgrad_dtype,
                                                       False)
+                plan.wgrad_add = routes.general_accumulate("wgrad", q.grad_output.layout, q.input.layout)
                 dx, dw = _gradients(ctx, plan, dy, grad_out.dtype, saved, need_dx, need_dw)
             plan.backward_proven = True
         if ctx.fuse_wgrad and (dw is not None or getattr(ctx, "wgrad_added", False)):
@@ -234,8 +235,15 @@ def _gradients(ctx: Any, plan: LinearPlan, dy: torch.Tensor, dx_dtype: torch.dty
     if x_pending is not None:
         gathered = x_pending.wait()
         xc, xcs = gathered.data, gathered.scale_inv
-    if need_dw and ctx.fuse_wgrad and gemm_mod.accumulate(Operand(dyc, dycs, q.grad_output.layout),
-                                                          Operand(xc, xcs, q.input.layout), ctx.weight.main_grad):
+    if need_dw and ctx.fuse_wgrad:
+        add = plan.wgrad_add
+        if add is None:
+            add = plan.wgrad_add = routes.accumulate_route("wgrad", Operand(dyc, dycs, q.grad_output.layout),
+                                                           Operand(xc, xcs, q.input.layout), ctx.weight.main_grad)
+        added = add(dyc, dycs, xc, xcs, ctx.weight.main_grad)
+    else:
+        added = False
+    if added:
         ctx.wgrad_added = True  # in main_grad already, as ops.linear._backward_fp8 adds it
     elif need_dw:
         wgrad = plan.wgrad_gemm  # its dtype is fixed by the key (the weight's, or FP32 when fused)

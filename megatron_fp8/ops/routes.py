@@ -343,3 +343,48 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
         return F.scaled_mm(a, b.t(), layout_of(sa, layouts[0]), ka, layout_of(sb, layouts[1]), kb, swizzle_a=none,
                            swizzle_b=none, output_dtype=out_dtype)
     return block
+
+
+AccumulateRoute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool]
+
+
+def general_accumulate(name: str, la: ScaleLayout, lb: ScaleLayout) -> AccumulateRoute:
+    """``gemm.accumulate`` itself on raw tensors of layouts ``la`` and ``lb``."""
+    def run(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, into: torch.Tensor) -> bool:
+        return gemm_mod.accumulate(Operand(a, sa, la), Operand(b, sb, lb), into, name=name)
+    run.general = True  # type: ignore[attr-defined]
+    return run
+
+
+def accumulate_route(name: str, a: Operand, b: Operand, into: torch.Tensor) -> AccumulateRoute:
+    """The route of ``gemm.accumulate(a', b', into')`` (``into' += a' @ b'.T`` in the GEMM's
+    epilogue; True where done, False where the caller must add) for operands and buffer like
+    these: cuBLASLt's bound call (``kernels.cublaslt.bind``) where ``accumulate`` would call
+    cuBLASLt, else ``accumulate`` itself. Records as ``accumulate`` does."""
+    la, lb = a.layout, b.layout
+    general = general_accumulate(name, la, lb)
+    (m, k), (n, _) = a.shape, b.shape
+    if (not a.data.is_cuda or into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous()
+            or not (m and n and k)):
+        return general
+    backend = gemm_mod.select_backend(la, lb, a.data.device, (m, n, k))
+    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, la, b.data, lb, torch.float32, accumulate=True):
+        return general
+    bound = cublaslt.bind(a.data, gemm_mod.cublaslt_scale(a), la, b.data, gemm_mod.cublaslt_scale(b), lb,
+                          torch.float32, accumulate=True)
+    if bound is None:
+        return general
+    records = gemm_mod._state.records
+    recorded = f"{name}[cublaslt]" if gemm_mod._e5m2_blocks(a, b) else name
+    layout_of = gemm_mod.block_scale_layout
+
+    def acc(a_: torch.Tensor, sa: torch.Tensor, b_: torch.Tensor, sb: torch.Tensor, into_: torch.Tensor) -> bool:
+        if into_.dtype != torch.float32 or into_.shape != (m, n) or not into_.is_contiguous():
+            return general(a_, sa, b_, sb, into_)
+        if not bound(a_, sa if la is L.TENSOR else layout_of(sa, la), b_, sb if lb is L.TENSOR else layout_of(sb, lb),
+                     into_):
+            return general(a_, sa, b_, sb, into_)  # (a pointer it does not take: accumulate declines it too)
+        if records:
+            gemm_mod.record(recorded, backend, (la, lb), (m, n, k))
+        return True
+    return acc
