@@ -38,6 +38,7 @@ L = ScaleLayout
 HYBRID = Float8BlockScaling(fp8_format=Format.HYBRID)
 M, N, K = 1024, 768, 2048
 ROOT = Path(__file__).resolve().parents[1]
+_REAL_LAUNCH = cublaslt._Plan.launch  # (tests spy on it: every direct cuBLASLt launch goes through it)
 
 
 def _operands(recipe: Float8BlockScaling, gemm_name: str) -> tuple[core.Operand, core.Operand]:
@@ -257,14 +258,19 @@ def test_hybrid_in_cuda_graphs(case: str) -> None:
 
 @SM90
 def test_e4m3_block_linear_on_cublaslt_agrees_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MEGATRON_FP8_BLOCK_GEMM=cublaslt`` (opt-in): an E4M3 block ``Linear``'s three GEMMs go
-    through ``matmul`` and agree with torch's ``scaled_mm`` path (bitwise where the heuristic picks
-    torch's kernel: see the workspace test above)."""
+    """``MEGATRON_FP8_BLOCK_GEMM=cublaslt`` (opt-in): an E4M3 block ``Linear``'s three GEMMs are
+    launched on cuBLASLt directly (``matmul`` or the lean routes' bound calls) and agree with
+    torch's ``scaled_mm`` path (bitwise where the heuristic picks torch's kernel: see the
+    workspace test above)."""
     x = torch.randn(512, K, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(512, N, device="cuda", dtype=torch.bfloat16)
     calls = []
-    real = cublaslt.matmul
-    monkeypatch.setattr(cublaslt, "matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = _REAL_LAUNCH
+
+    def spy(plan: object, a: int, *rest: object) -> None:
+        calls.append(a)
+        real(plan, a, *rest)
+    monkeypatch.setattr(cublaslt._Plan, "launch", spy)
     results = []
     for choice in ("torch", "cublaslt"):
         monkeypatch.setenv("MEGATRON_FP8_BLOCK_GEMM", choice)
@@ -345,7 +351,6 @@ def test_tensorwise_accumulate_adds_into_fp32() -> None:
     assert not core.accumulate(opa, opb, wide[1:].view(1024, 2048)) and not wide.any()
 
 
-_REAL_LAUNCH = cublaslt._Plan.launch
 
 
 def _fused_steps(monkeypatch: pytest.MonkeyPatch, lean: str, tensor_gemm: str,
