@@ -275,7 +275,7 @@ def _native_block(a: Operand, b: Operand, out_dtype: torch.dtype, out: torch.Ten
             [_block_scale_layout(b)], [kinds[b.layout].value], none, None, dtype, out=into,
         )
 
-    y = _cublaslt(a, b, out_dtype, out)  # opt-in for two E4M3 operands: MEGATRON_FP8_BLOCK_GEMM
+    y = _cublaslt(a, b, out_dtype, out)  # two E4M3 operands too, unless MEGATRON_FP8_BLOCK_GEMM=torch
     if y is not None:
         return y
     dtype = _BLOCK_OUT_DTYPES.get(out_dtype)

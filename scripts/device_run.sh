@@ -64,7 +64,8 @@ for what in "${steps[@]}"; do
         --k 2048 --n 2048 --recipes current blockwise --rounds 15 --router \
         && timeout 150 python3 ab_host.py --old ../../_ab/old --new ../.. --tokens 256 --k 2048 --n 2048 \
         --recipes current blockwise --rounds 15) 2>&1 | tee "$OUT/ab_grouped.log" ;;
-    # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (opt-in), host us, fresh processes alternated
+    # the E4M3 block GEMMs on torch's scaled_mm vs cuBLASLt called directly (the default since run AU), host us,
+    # fresh processes alternated
     hostab) (cd scripts/probes && python3 ab_env.py --set MEGATRON_FP8_BLOCK_GEMM=torch --set MEGATRON_FP8_BLOCK_GEMM=cublaslt \
         --rounds 3 --key layer --column "host us per fwd+bwd" --match "Linear" -- ../profile_host.py) 2>&1 | tee "$OUT/ab_block_gemm.log" ;;
     # the one-launch current-scaling cast (the default): its tests, then the GPU suite with it off

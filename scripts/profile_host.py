@@ -147,14 +147,13 @@ def _steps(args: argparse.Namespace) -> list[tuple[str, Callable[[], None]]]:
         steps.append((f"our Linear, {name}, general path", _general(_fwd_bwd(linear(), x, dy, PRESETS[name]))))
     for name in ("current", "blockwise", "delayed"):  # Megatron's later micro-batches: the weight's cast kept
         steps.append((f"our Linear, {name}, weight cast reused", _fwd_bwd(linear(), x, dy, PRESETS[name], False)))
-    if CUDA:  # the GEMMs on cuBLASLt called directly (kernels/cublaslt.py's bound calls) instead of torch's
-        for name, var in (("current", "MEGATRON_FP8_TENSOR_GEMM"), ("delayed", "MEGATRON_FP8_TENSOR_GEMM"),
-                          ("blockwise", "MEGATRON_FP8_BLOCK_GEMM")):
-            steps.append((f"our Linear, {name}, cuBLASLt direct ({var}=cublaslt)",
-                          _with_env(_fwd_bwd(linear(), x, dy, PRESETS[name]), var, "cublaslt")))
-        steps.append(("our Linear, current, weight cast reused, cuBLASLt direct",
-                      _with_env(_fwd_bwd(linear(), x, dy, PRESETS["current"], False), "MEGATRON_FP8_TENSOR_GEMM",
-                                "cublaslt")))
+    if CUDA:  # the other GEMM caller: cuBLASLt's bound calls (kernels/cublaslt.py) for per-tensor scales
+        # (torch's _scaled_mm by default), torch's scaled_mm for E4M3 blocks (cuBLASLt's by default)
+        for name, var, value in (("current", "MEGATRON_FP8_TENSOR_GEMM", "cublaslt"),
+                                 ("delayed", "MEGATRON_FP8_TENSOR_GEMM", "cublaslt"),
+                                 ("blockwise", "MEGATRON_FP8_BLOCK_GEMM", "torch")):
+            steps.append((f"our Linear, {name}, {var}={value}",
+                          _with_env(_fwd_bwd(linear(), x, dy, PRESETS[name]), var, value)))
     # Megatron's --fp8-format hybrid: E5M2 gradients, whose block GEMMs torch refuses (cuBLASLt direct)
     steps.append(("our Linear, blockwise HYBRID",
                   _fwd_bwd(linear(), x, dy, Float8BlockScaling(fp8_format=Format.HYBRID))))

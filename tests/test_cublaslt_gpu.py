@@ -258,7 +258,7 @@ def test_hybrid_in_cuda_graphs(case: str) -> None:
 
 @SM90
 def test_e4m3_block_linear_on_cublaslt_agrees_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MEGATRON_FP8_BLOCK_GEMM=cublaslt`` (opt-in): an E4M3 block ``Linear``'s three GEMMs are
+    """``MEGATRON_FP8_BLOCK_GEMM=cublaslt`` (the default): an E4M3 block ``Linear``'s three GEMMs are
     launched on cuBLASLt directly (``matmul`` or the lean routes' bound calls) and agree with
     torch's ``scaled_mm`` path (bitwise where the heuristic picks torch's kernel: see the
     workspace test above)."""

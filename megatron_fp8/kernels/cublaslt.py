@@ -1,7 +1,8 @@
-"""FP8 GEMMs called on cuBLASLt itself through ctypes: block-scaled ones with an E5M2 operand
-(HYBRID block scaling: E5M2 gradients; opt-in, the E4M3 ones: ``block_choice``), the wgrads that
-add themselves into Megatron's ``main_grad`` (``accumulate``) and, opt-in, every per-tensor-scaled
-one (``tensor_choice``).
+"""FP8 GEMMs called on cuBLASLt itself through ctypes: the block-scaled ones (E4M3 operands:
+``block_choice``; with an E5M2 operand, HYBRID block scaling's gradients, which torch refuses), the
+wgrads that add themselves into Megatron's ``main_grad`` (``accumulate``) and, opt-in, every
+per-tensor-scaled one (``tensor_choice``). ``bind`` keeps one problem's call (``Bound``): what the
+lean routes launch every step, with plain ints through ctypes and nothing looked up per call.
 
 Per-tensor scales: the same question torch's ``_scaled_mm`` asks (descriptor attributes,
 layouts, workspace size), asked once per problem: torch's kernel, so torch's bits
@@ -269,14 +270,14 @@ def _plan_or_none(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _
 
 
 def block_choice() -> str:
-    """``MEGATRON_FP8_BLOCK_GEMM``: who runs the block GEMMs with two E4M3 operands, ``torch`` (the
-    default: its ``scaled_mm``) or ``cublaslt`` (``matmul`` here: the kernel torch gets with
-    ``CUBLASLT_WORKSPACE_SIZE=0``, without torch rebuilding descriptors and asking the heuristic
-    on every call, which cost ~60 us of host time per block GEMM on the H200 against ~11-20 for a
-    bare cuBLASLt loop, docs/benchmarks-history.md run Y; opt-in: an eager blockwise ``Linear``
-    step took 8% more host time with it, docs/benchmarks.md run AN)."""
-    return env_choice("MEGATRON_FP8_BLOCK_GEMM", "torch",
-                      {"torch": "torch's scaled_mm", "cublaslt": "cuBLASLt called directly"})
+    """``MEGATRON_FP8_BLOCK_GEMM``: who runs the block GEMMs with two E4M3 operands, ``cublaslt``
+    (the default: ``matmul`` here, the lean routes' bound call, ``Bound``: torch's question to
+    cuBLASLt asked once per problem, with the same workspace size) or ``torch`` (its
+    ``scaled_mm``, which rebuilds the descriptors and asks the heuristic on every call). With the
+    bound call an eager blockwise ``Linear`` step took 17-19% less host time than on torch's
+    (docs/benchmarks.md run AU, fresh processes alternated, H100); the grouped steps about the same."""
+    return env_choice("MEGATRON_FP8_BLOCK_GEMM", "cublaslt",
+                      {"cublaslt": "cuBLASLt called directly, the default", "torch": "torch's scaled_mm"})
 
 
 def tensor_choice() -> str:
@@ -284,8 +285,9 @@ def tensor_choice() -> str:
     scaling) on CUDA, ``torch`` (the default: ``torch._scaled_mm``) or ``cublaslt`` (``matmul``
     here: the question torch asks cuBLASLt, with the descriptors and the heuristic's answer kept
     per problem instead of rebuilt on every call; the same bits, but no host time saved in an
-    eager ``Linear`` step on the H100: run AK within the noise, run AN 26% more). The wgrads that
-    add themselves into ``main_grad`` (``gemm.accumulate``) call cuBLASLt whichever is set."""
+    eager ``Linear`` step on the H100: run AK within the noise, run AN 26% more, and with the bound
+    call of run AU -11% and +7% in two readings). The wgrads that add themselves into
+    ``main_grad`` (``gemm.accumulate``) call cuBLASLt whichever is set."""
     return env_choice("MEGATRON_FP8_TENSOR_GEMM", "torch",
                       {"torch": "torch's _scaled_mm, the default", "cublaslt": "cuBLASLt called directly"})
 
@@ -298,8 +300,8 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
     """Whether ``matmul`` may take this GEMM (it can still find no kernel): on CUDA, per-tensor
     scales on both operands (not two E5M2 ones), every dim a multiple of 16, to ``accumulate``
     or under ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``; block scales with every dim a multiple of 128 and one
-    E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones under
-    ``MEGATRON_FP8_BLOCK_GEMM=cublaslt``."""
+    E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones (unless
+    ``MEGATRON_FP8_BLOCK_GEMM=torch``)."""
     if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in OUT_DTYPES):
         return False
     (m, k), (n, _) = a.shape, b.shape
