@@ -270,8 +270,8 @@ def _plan_or_none(key: tuple, a_scale: torch.Tensor, b_scale: torch.Tensor) -> _
 
 
 def block_choice() -> str:
-    """``MEGATRON_FP8_BLOCK_GEMM``: who runs the block GEMMs with two E4M3 operands, ``cublaslt``
-    (the default, on SM90; other GPUs keep torch's) or ``torch`` (its ``scaled_mm``, which rebuilds
+    """``MEGATRON_FP8_BLOCK_GEMM``: who runs the block GEMMs with two E4M3 operands (native only
+    on SM90, ``gemm.native_supported``), ``cublaslt`` (the default) or ``torch`` (its ``scaled_mm``, which rebuilds
     the descriptors and asks the heuristic on every call). ``cublaslt``: ``matmul`` here, and the
     lean routes' bound call (``Bound``), torch's question to cuBLASLt asked once per problem with the
     same workspace size. With the bound call an eager blockwise ``Linear`` step took 17-19% less
@@ -301,7 +301,7 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
     """Whether ``matmul`` may take this GEMM (it can still find no kernel): on CUDA, per-tensor
     scales on both operands (not two E5M2 ones), every dim a multiple of 16, to ``accumulate``
     or under ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``; block scales with every dim a multiple of 128 and one
-    E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones on SM90 (unless
+    E5M2 operand (unless ``MEGATRON_FP8_HYBRID_GEMM=triton``) or two E4M3 ones (unless
     ``MEGATRON_FP8_BLOCK_GEMM=torch``)."""
     if not (a.is_cuda and a_layout in SCALE_MODES and b_layout in SCALE_MODES and out_dtype in OUT_DTYPES):
         return False
@@ -314,14 +314,9 @@ def serves(a: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_layout: Sc
     dtypes = (a.dtype, b.dtype)
     if dtypes in ((_E5M2, _E4M3), (_E4M3, _E5M2)):
         wanted = choice() != "triton"
-    else:  # (on SM90, where it was measured and tested; elsewhere torch's scaled_mm, as before)
-        wanted = dtypes == (_E4M3, _E4M3) and block_choice() == "cublaslt" and _capability(a.device.index) == (9, 0)
+    else:
+        wanted = dtypes == (_E4M3, _E4M3) and block_choice() == "cublaslt"
     return wanted and library() is not None
-
-
-@functools.cache
-def _capability(device: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def matmul(a: torch.Tensor, a_scale: torch.Tensor, a_layout: ScaleLayout, b: torch.Tensor, b_scale: torch.Tensor,
@@ -366,9 +361,7 @@ class Bound:
                 or torch._C._cuda_getDevice() != self.device):
             return False
         stream = torch._C._cuda_getCurrentRawStream(self.device)
-        ws = _workspaces.get((self.device, stream)) if self.ws_bytes else None
-        if ws is None and self.ws_bytes:
-            ws = _workspace(self.device, stream)
+        ws = _workspace(self.device, stream)
         self.plan.launch(pa, psa, pb, psb, po, self.accumulate, ws.data_ptr() if ws is not None else 0,
                          self.ws_bytes, stream)
         return True
