@@ -353,19 +353,30 @@ def accumulate(a: Operand, b: Operand, into: torch.Tensor, *, name: str = "wgrad
     Where cuBLASLt called directly serves the GEMM natively (``kernels.cublaslt.serves``: per-tensor
     scales, HYBRID block scales) and ``into`` is contiguous and 256-byte aligned; False, with nothing
     done, elsewhere (the caller computes the GEMM and adds)."""
-    (m, k), (n, _) = a.shape, b.shape
-    if (into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous() or not (m and n and k)
-            or into.data_ptr() % cublaslt.ALIGN):
-        return False
-    backend = select_backend(a.layout, b.layout, a.data.device, (m, n, k))
-    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32,
-                                                            accumulate=True):
+    if not accumulates(a, b, into) or into.data_ptr() % cublaslt.ALIGN:
         return False
     if not cublaslt.matmul(a.data, cublaslt_scale(a), a.layout, b.data, cublaslt_scale(b), b.layout, into,
                            accumulate=True):
         return False
-    record(f"{name}[cublaslt]" if _e5m2_blocks(a, b) else name, backend, (a.layout, b.layout), (m, n, k))  # as gemm
+    (m, k), (n, _) = a.shape, b.shape
+    record(direct_name(name, a, b), Backend.NATIVE, (a.layout, b.layout), (m, n, k))
     return True
+
+
+def accumulates(a: Operand, b: Operand, into: torch.Tensor) -> bool:
+    """Whether ``accumulate`` may take this GEMM (its pointers aside): an FP32, contiguous
+    ``[m, n]`` ``into``, a native GEMM that cuBLASLt called directly serves."""
+    (m, k), (n, _) = a.shape, b.shape
+    if into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous() or not (m and n and k):
+        return False
+    return (select_backend(a.layout, b.layout, a.data.device, (m, n, k)) is Backend.NATIVE
+            and cublaslt.serves(a.data, a.layout, b.data, b.layout, torch.float32, accumulate=True))
+
+
+def direct_name(name: str, a: Operand, b: Operand) -> str:
+    """The name ``record_gemms`` gets for a GEMM on cuBLASLt called directly: ``name[cublaslt]``
+    for the HYBRID block GEMMs (which torch's ``scaled_mm`` refuses), else ``name`` (as ``gemm``)."""
+    return f"{name}[cublaslt]" if _e5m2_blocks(a, b) else name
 
 
 # ---- HYBRID block scaling: E5M2 gradients with 1x128 / 128x128 scales ----

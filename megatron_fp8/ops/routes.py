@@ -310,7 +310,7 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
     if hybrid or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
         if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
             return general  # Triton's GEMM or emulation: gemm decides and records
-        recorded = f"{name}[cublaslt]" if hybrid else name  # as gemm records them
+        recorded = gemm_mod.direct_name(name, a, b)  # as gemm records them
         bound = cublaslt.bind(a.data, layout_of(a.scale_inv, layouts[0]), layouts[0], b.data,
                               layout_of(b.scale_inv, layouts[1]), layouts[1], out_dtype)
         if bound is None:
@@ -363,19 +363,15 @@ def accumulate_route(name: str, a: Operand, b: Operand, into: torch.Tensor) -> A
     cuBLASLt, else ``accumulate`` itself. Records as ``accumulate`` does."""
     la, lb = a.layout, b.layout
     general = general_accumulate(name, la, lb)
-    (m, k), (n, _) = a.shape, b.shape
-    if (not a.data.is_cuda or into.dtype != torch.float32 or tuple(into.shape) != (m, n) or not into.is_contiguous()
-            or not (m and n and k)):
-        return general
-    backend = gemm_mod.select_backend(la, lb, a.data.device, (m, n, k))
-    if backend is not Backend.NATIVE or not cublaslt.serves(a.data, la, b.data, lb, torch.float32, accumulate=True):
+    if not (a.data.is_cuda and gemm_mod.accumulates(a, b, into)):
         return general
     bound = cublaslt.bind(a.data, gemm_mod.cublaslt_scale(a), la, b.data, gemm_mod.cublaslt_scale(b), lb,
                           torch.float32, accumulate=True)
     if bound is None:
         return general
+    (m, k), (n, _) = a.shape, b.shape
     records = gemm_mod._state.records
-    recorded = f"{name}[cublaslt]" if gemm_mod._e5m2_blocks(a, b) else name
+    recorded = gemm_mod.direct_name(name, a, b)
     layout_of = gemm_mod.block_scale_layout
 
     def acc(a_: torch.Tensor, sa: torch.Tensor, b_: torch.Tensor, sb: torch.Tensor, into_: torch.Tensor) -> bool:
@@ -385,6 +381,6 @@ def accumulate_route(name: str, a: Operand, b: Operand, into: torch.Tensor) -> A
                      into_):
             return general(a_, sa, b_, sb, into_)  # (a pointer it does not take: accumulate declines it too)
         if records:
-            gemm_mod.record(recorded, backend, (la, lb), (m, n, k))
+            gemm_mod.record(recorded, Backend.NATIVE, (la, lb), (m, n, k))
         return True
     return acc
