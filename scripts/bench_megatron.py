@@ -114,6 +114,7 @@ def variants(names: list[str] | None) -> list[Variant]:
     # gradient-accumulation fusion in our linears only (Megatron's own layers would need apex for it)
     all_ += [Variant("ours-bf16-fused", True, fused=True)]  # (the FP8-off layers fuse it the same way)
     all_ += [Variant(f"ours-{r}-fused", True, r, fused=True) for r in RECIPES if r != "delayed"]
+    all_ += [Variant(f"ours-{r}-fused-graphs", True, r, graphs=True, fused=True) for r in RECIPES if r != "delayed"]
     # the autograd engine's multithreading off on the training thread (a ``sitecustomize``): backward
     # runs on the thread that calls it, not on the engine's CUDA device thread (run AM)
     all_ += [Variant("megatron-bf16-caller", False, caller=True)]
