@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -242,3 +243,31 @@ def test_fused_wgrad_without_main_grad_is_fine_where_no_wgrad_is_computed() -> N
         grouped = mf.GroupedLinear(2, 64, 32, bias=False, fuse_wgrad_accumulation=True)
         with mf.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe), torch.no_grad():
             assert grouped(x, [8, 8]).shape == (16, 32)
+
+
+def test_a_layer_built_without_a_name_takes_its_module_path() -> None:
+    """``adopt_name`` (the Megatron plug-in passes each layer's module path at the first forward):
+    the layer's errors name it from then on, quantizers made before are renamed, and a layer built
+    with a name keeps it."""
+    cfg = ParallelConfig(use_cpu_initialization=True)
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("MEGATRON_FP8_WGRAD_FUSION", "on")
+    try:
+        layer = ColumnParallelLinear(64, 32, config=cfg, bias=False)
+    finally:
+        monkey.undo()
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8CurrentScaling()):
+        q = layer.fp8_quantizers()
+    assert q is not None and q.input.name == "ColumnParallelLinear input"
+    path = "decoder.layers.0.mlp.linear_fc1"
+    layer.adopt_name(path)
+    owner = f"ColumnParallelLinear({path})"
+    assert layer.name == path and layer._owner == owner
+    assert [t.name for t in (q.input, q.weight, q.grad_output)] == [f"{owner} input", f"{owner} weight",
+                                                                    f"{owner} output gradient"]
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.Float8CurrentScaling()), \
+            pytest.raises(RuntimeError, match=re.escape(owner) + r": fuse_wgrad_accumulation=True needs"):
+        layer(torch.randn(16, 64))
+    named = mf.Linear(64, 32, name="proj")
+    named.adopt_name(path)
+    assert named.name == "proj"

@@ -168,3 +168,53 @@ def test_megatron_whole_iteration_graph_runs_the_capture_settings_from_the_first
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
     with pytest.raises(ValueError, match="capture inside its capture; unset MEGATRON_FP8_GRAPHS"):
         plugin._hook(model(cuda_graph_impl="full_iteration"), ())
+
+
+class _Held:
+    """A stand-in for a captured ``LinearGraph``: what the memory report reads of one."""
+
+    def __init__(self, owner: str, held: int) -> None:
+        self.owner, self.held = owner, held
+
+
+def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each live graph holds is listed (most first), said once per process at the first
+    capture, summed in the plug-in's line; a freed layer's graph leaves the list."""
+    import weakref
+
+    monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
+    assert graphed.held_by_graphs() == [] and graphed.held_note() is None
+    a, b = _Held("Linear(a)", 3 * 2**20), _Held("Linear(b)", 5 * 2**20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed._note_held(a)  # type: ignore[arg-type]
+        graphed._note_held(b)  # type: ignore[arg-type]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "Linear(a)" in said[0] and "3.0 MiB" in said[0] and "held_by_graphs()" in said[0], said
+    assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20), ("Linear(a)", 3 * 2**20)]
+    note = graphed.held_note()
+    assert note is not None and "the CUDA graphs of 2 FP8 linears hold 8 MiB" in note, note
+    assert note.index("Linear(b) 5") < note.index("Linear(a) 3") and "MEGATRON_FP8_GRAPHS=0" in note
+    del a
+    assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20)]
+
+
+def test_megatron_plugin_says_what_graphs_hold_after_the_first_forward(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """With graphs on, the plug-in prints the graphs' memory once the model's first forward ends
+    (every layer captured by then); with graphs off, nothing."""
+    import weakref
+
+    pytest.importorskip("megatron.core")
+    from megatron_fp8.megatron import plugin
+
+    monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
+    kept = _Held("ColumnParallelLinear(decoder.layers.0.mlp.linear_fc1)", 7 * 2**20)
+    graphed._live.add(kept)  # type: ignore[arg-type]
+    for setting, said in (("1", True), ("0", False)):
+        monkeypatch.setenv("MEGATRON_FP8_GRAPHS", setting)
+        root = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        plugin._at_first_forward_end(root, root)
+        root(torch.randn(2, 4))
+        out = capsys.readouterr().out
+        assert ("hold 7 MiB" in out and "decoder.layers.0.mlp.linear_fc1" in out) == said, out

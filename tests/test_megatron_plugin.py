@@ -42,6 +42,14 @@ def test_both_builder_paths_build_the_same_model(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
+def test_our_layers_take_their_module_paths_at_the_first_forward(report: dict) -> None:
+    # per rank: every layer of ours is named after its module path (warnings and errors say which layer)
+    assert report["counts"]["names"] == report["world"]
+    assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
 def test_sequence_parallelism_through_the_plugin(report: dict) -> None:
     # per rank: BF16 and tensorwise dense GPTs at TP=2 with sequence parallelism (norms marked,
     # loss, every gradient against the same model without it; the GEMM count under FP8) and an

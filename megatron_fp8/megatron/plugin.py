@@ -20,7 +20,8 @@ Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing t
   ``decoder.layers.0.self_attention.linear_proj``), applied at the model's first forward.
   Rank 0 prints, at that first forward, the FP8 recipe, every module whose
   ``save_original_input`` is on (from the YAML, or set by Megatron for its recompute), and the
-  recompute modules.
+  recompute modules. Our layers built without a name take their module path there
+  (``FP8Module.adopt_name``), so their warnings and errors say which layer.
 * Megatron-LM's whole-iteration CUDA graph (``--cuda-graph-impl full_iteration``; megatron-core
   <= 0.16: ``--cuda-graph-impl local --cuda-graph-scope full_iteration``) captures our layers as
   they run: the first forward puts the capture's settings in force for the run
@@ -48,7 +49,7 @@ from torch import nn
 from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
 from ..ops.graphed import ENV as GRAPHS_ENV
-from ..ops.graphed import graphs_on, run_as_captured
+from ..ops.graphed import graphs_on, held_note, run_as_captured
 from . import rope
 from .compat import patch_megatron, whole_iteration_graph
 from .compat import print0 as _print0
@@ -146,12 +147,15 @@ class _FirstForward:
             return
         self.done.add(module)
         self.done.update(root.modules())  # its own parts (an embedding, a block) are not models of their own
+        for path, m in root.named_modules():  # warnings and errors name the layer, not only its class
+            if isinstance(m, FP8Module):
+                m.adopt_name(path)
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
         config = getattr(ours[0], "config", None)
         notes = _whole_iteration_graph(config) if config is not None and whole_iteration_graph(config) else []
         _print0("\n".join([_summary(root, plan, config), *notes]))
         _warn_high_precision_linears(root, config)
-        _check_flag_costs(module, root)
+        _at_first_forward_end(module, root)
         self._model_done()
 
     def _model_done(self) -> None:
@@ -214,10 +218,11 @@ def _warn_high_precision_linears(root: nn.Module, config: Any) -> None:
                       f"in high precision", RuntimeWarning, stacklevel=2)
 
 
-def _check_flag_costs(module: nn.Module, root: nn.Module) -> None:
+def _at_first_forward_end(module: nn.Module, root: nn.Module) -> None:
     """Watch this first forward (``audit.Recorder``) and, at its end, name every layer whose
-    ``save_original_input`` is on although no other module saves its input: there the flag keeps
-    the high-precision input alive by itself and costs memory."""
+    ``save_original_input`` is on although no other module saves its input (there the flag keeps
+    the high-precision input alive by itself and costs memory), and say what the per-layer CUDA
+    graphs captured in it hold (``MEGATRON_FP8_GRAPHS=1``)."""
     from ..audit import Recorder
 
     rec = Recorder(root)
@@ -232,6 +237,9 @@ def _check_flag_costs(module: nn.Module, root: nn.Module) -> None:
                 _print0(f"megatron_fp8: {lin.name}: save_original_input is on, but no other module saves its input "
                         f"{lin.input_shape}: the flag costs {-lin.group_saves:,} bytes here (a copy an FP8 copy "
                         f"would not need); turn it off, or run python -m megatron_fp8.audit on the model")
+        note = held_note() if graphs_on() else None
+        if note:
+            _print0(note)
 
     handle = module.register_forward_hook(done, always_call=True)
 

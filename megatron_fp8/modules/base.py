@@ -174,6 +174,23 @@ class FP8Module(nn.Module):
         layer = getattr(self, "name", None)
         return f"{type(self).__name__}({layer})" if layer else type(self).__name__
 
+    def adopt_name(self, name: str) -> None:
+        """Name a layer built without a name after its place in a model (the Megatron plug-in
+        passes its module path, ``decoder.layers.0.self_attention.linear_qkv``), so that its
+        warnings and errors say which layer; quantizers made already are renamed too. A layer
+        that has a name keeps it."""
+        if getattr(self, "name", None) or not name:
+            return
+        old = self._fp8_owner()
+        self.name = name
+        new = self._fp8_owner()
+        if hasattr(self, "_owner"):  # the name its own messages use (parallel and grouped layers)
+            self._owner = new
+        for q in self._quantizers.values():
+            for t in (q.input, q.weight, q.grad_output):
+                if t.name.startswith(old):
+                    t.name = new + t.name[len(old):]
+
     def _restore_pending(self, key: str, q: LinearQuantizers) -> None:
         """Load saved quantizer state once a quantizer of the same recipe exists."""
         st = self._pending_state

@@ -138,7 +138,7 @@ class GroupedLinear(ExpertParams, FP8Module):
     ) -> None:
         super().__init__()
         self.name = name
-        self._owner = f"{type(self).__name__}({name})" if name else type(self).__name__
+        self._owner = self._fp8_owner()
         if num_gemms < 1:
             raise ValueError(f"{self._owner}: num_gemms={num_gemms}; a grouped layer needs at least one expert")
         if in_features <= 0 or out_features <= 0:

@@ -119,6 +119,7 @@ class LinearGraph:
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
+        self.held = 0  # bytes its capture left allocated (static buffers, saved tensors, its FP8 weight copy)
 
     def load_weight(self, w_fp8: QuantizedTensor) -> None:
         """Copy the layer's FP8 weight into the graph's, unless it is the one copied last."""
@@ -300,6 +301,7 @@ def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Ten
 def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
                  fused: bool) -> LinearGraph:
+    before = torch.cuda.memory_allocated(x.device)
     g = LinearGraph(owner)
     g.fused = fused
     x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -335,7 +337,43 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
+    g.held = torch.cuda.memory_allocated(x.device) - before
+    _note_held(g)
     return g
+
+
+_live: weakref.WeakSet[LinearGraph] = weakref.WeakSet()  # every captured graph still alive
+
+
+def _note_held(g: LinearGraph) -> None:
+    """Keep ``g`` for ``held_by_graphs``; say once per process that graphs hold memory."""
+    first = not _live
+    _live.add(g)
+    if first:
+        warnings.warn(f"megatron_fp8: {g.owner}: {ENV}=1: each FP8 linear's CUDA graphs keep their buffers "
+                      f"allocated between steps (this one {g.held / 2**20:,.1f} MiB: static input, output and "
+                      "gradients, saved tensors, a copy of its FP8 weight), where the eager path frees them after "
+                      "backward; megatron_fp8.ops.graphed.held_by_graphs() lists them (said once per process)",
+                      RuntimeWarning, stacklevel=8)
+
+
+def held_by_graphs() -> list[tuple[str, int]]:
+    """``(layer, bytes)`` for every live per-layer graph, most first: the memory each capture left
+    allocated (``torch.cuda.memory_allocated`` after it, less before it), which stays until the
+    layer is freed."""
+    return sorted(((g.owner, g.held) for g in list(_live)), key=lambda t: -t[1])
+
+
+def held_note(most: int = 3) -> str | None:
+    """One line on what the live graphs hold (the Megatron plug-in prints it after the first
+    forward), or None where there are none."""
+    held = held_by_graphs()
+    if not held:
+        return None
+    total = sum(b for _, b in held)
+    top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
+    return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {len(held)} FP8 linears hold {total / 2**20:,.0f} MiB "
+            f"between steps (the most, MiB: {top}); {ENV}=0 runs them eagerly without it")
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,

@@ -7,6 +7,7 @@ Megatron's parameter attributes, FP8 operands with TP-wide amax groups, and chec
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,7 @@ class ParallelLinearBase(FP8Module):
     ) -> None:
         """Read the config and resolve the TP group (before any size is divided)."""
         self.name = name
-        self._owner = f"{type(self).__name__}({name})" if name else type(self).__name__
+        self._owner = self._fp8_owner()
         self.input_size, self.output_size = input_size, output_size
         self.config, self.is_expert = config, is_expert
         self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert, pg_collection=pg_collection)
@@ -103,6 +104,13 @@ class ParallelLinearBase(FP8Module):
             warnings.warn(f"{self._owner}: sequence_parallel=True with tensor-parallel size 1; "
                           f"disabling sequence parallelism for this layer", stacklevel=3)
             self.sequence_parallel = False
+
+    def adopt_name(self, name: str) -> None:
+        """``FP8Module.adopt_name``; its communication's labels follow."""
+        super().adopt_name(name)
+        comm = getattr(self, "_comm", None)
+        if comm is not None and getattr(comm, "name", self._owner) != self._owner:
+            self._comm = dataclasses.replace(comm, name=self._owner)
 
     def _new_weight(
         self,

@@ -155,6 +155,8 @@ def check_builders(ck: Checker, tp: int) -> None:
         for n, p in b.items():
             p.copy_(a[n])
     ck.bitwise("build", "loss, main vs older builder path", _step(older)[0], _step(main_model)[0])
+    unnamed = {n: m.name for n, m in _ours(older).items() if m.name != n}  # (the hook's model: the first run)
+    ck.true("names", not unnamed, f"layers not named after their module paths at the first forward: {unnamed}")
 
 
 def check_dense(ck: Checker, tp: int) -> None:
