@@ -170,6 +170,7 @@ class Result:
     intervals: tuple[float, ...] = ()  # the steady log intervals the median is taken over (ms/iter)
     loss: float | None = None  # the last logged lm loss: variants of one config train the same model on the same data
     round: int = 0  # with --repeats: which pass over the variants ran it (each pass runs every variant once)
+    graphs_held: str = ""  # MEGATRON_FP8_GRAPHS=1: what the per-layer graphs hold, as the plug-in prints it
 
 
 DRIFT = 0.10  # intervals whose first and last differ by more than this share of their median: not steady
@@ -313,6 +314,7 @@ _MEM = re.compile(r"max allocated: ([\d.]+)")
 _LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
 _FORWARDS = re.compile(r"megatron_fp8 \[rank 0\]: \d+ FP8 layer forwards \(([^)]*)\)")
+_HELD = re.compile(r"the CUDA graphs of (\d+) FP8 linears hold ([\d,]+) MiB")
 
 
 def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
@@ -325,9 +327,11 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
     gemms, forwards = _GEMMS.findall(out), _FORWARDS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
     losses = _LOSS.findall(out)
+    held = _HELD.findall(out)
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
                   gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady),
-                  float(losses[-1]) if losses else None)
+                  float(losses[-1]) if losses else None,
+                  graphs_held=f"graphs hold {held[-1][1]} MiB ({held[-1][0]} linears)" if held else "")
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)(?: round=(\d+))?\n\$ (.*)$", re.M)
@@ -381,6 +385,8 @@ def table(results: list[Result]) -> str:
             notes.append(f"{r.tokens_per_s / eager:.3f}x {BASELINES[0]}")
         if r.forwards:
             notes.append(f"forwards: {r.forwards}")
+        if r.graphs_held:
+            notes.append(r.graphs_held)
         if r.loss is not None:
             notes.append(f"last lm loss {r.loss:.4f}")
         slow = spikes(r.intervals)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|hostnative|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|graphsab|hostnative|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -138,6 +138,11 @@ for what in "${steps[@]}"; do
     moefused) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs moe --iters 20 --repeats 2 \
         --variants megatron-bf16,ours-tensorwise,ours-tensorwise-fused,ours-blockwise,ours-blockwise-fused \
         --fusions rope --no-dropout --timeout 100 --out "$OUT/moefused" 2>&1 | grep -v "^ " | tee "$OUT/bench_moefused.txt" ;;
+    # the opt-in per-layer graphs against eager in Megatron-LM's loop, interleaved rounds, with what the
+    # graphs hold as the plug-in prints it (run AV: faster in 4 of 4 pairs, 6.7-8.7 GB more) (~9 min)
+    graphsab) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b --iters 20 --repeats 2 \
+        --variants megatron-bf16,ours-tensorwise-fused,ours-tensorwise-fused-graphs,ours-blockwise-fused,ours-blockwise-fused-graphs \
+        --fusions rope --no-dropout --timeout 100 --out "$OUT/graphsab" 2>&1 | grep -v "^ " | tee "$OUT/bench_graphsab.txt" ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;

@@ -173,6 +173,24 @@ def test_fused_variants_turn_our_wgrad_fusion_on(monkeypatch) -> None:
         assert "--no-gradient-accumulation-fusion" in cmd
 
 
+def test_fused_graphs_variants_and_what_the_graphs_hold(monkeypatch) -> None:
+    """``ours-<recipe>-fused-graphs``: the per-layer graphs with our wgrad fusion; the plug-in's
+    line on what the graphs hold reaches the table."""
+    import argparse
+
+    monkeypatch.delenv("MEGATRON_FP8_GRAPHS", raising=False)
+    args = argparse.Namespace(megatron_lm="/m", layers=2, seq=128, mbs=1, micro=2, iters=4, log_interval=2)
+    cmd, env = bm._command(args, "dense-1b", bm.variants(["ours-blockwise-fused-graphs"])[0], "")
+    assert env.get("MEGATRON_FP8_GRAPHS") == "1" and env.get("MEGATRON_FP8_WGRAD_FUSION") == "on"
+    out = _megatron_log([2000.0, 700.0, 150.0, 140.0], 17800.0, "3840 FP8 GEMMs (native 3840)") + (
+        "\nmegatron_fp8: MEGATRON_FP8_GRAPHS=1: the CUDA graphs of 16 FP8 linears hold 8,123 MiB between steps "
+        "(the most, MiB: x 1)")
+    r = bm.parse("dense-1b", bm.variants(["ours-blockwise-fused-graphs"])[0], out, 0, 4 * 4096)
+    assert r.graphs_held == "graphs hold 8,123 MiB (16 linears)" and "; graphs hold 8,123 MiB" in bm.table([r])
+    assert bm.parse("dense-1b", bm.Variant("ours-blockwise", True, "blockwise"), out.split("\nmegatron_fp8: M")[0],
+                    0, 1).graphs_held == ""
+
+
 def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:
     """``--fusions megatron`` leaves the SwiGLU and bias-dropout-add fusions on (Megatron's
     default), ``off`` turns them off too; those needing apex or TE are off either way, in both specs."""

@@ -1,6 +1,6 @@
 """Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``; experimental
-(on the H100, docs/benchmarks.md run AI, the graphed GPU tests passed and Megatron-LM's dense-1b
-loop replayed every linear, but ran slower than eager and used 6.2 GB more memory).
+(on the H100 the graphed GPU tests pass, and in Megatron-LM's dense-1b loop the graphs were 5-33%
+faster than eager in two interleaved rounds, with 6.7-8.7 GB more memory: docs/benchmarks.md run AV).
 
 An eager FP8 linear pays ~0.6-0.9 ms of host time per forward+backward (its casts, GEMMs and
 autograd Python), more than its GPU work below hidden ~4096: the GPU idles (docs/benchmarks.md).
@@ -33,7 +33,10 @@ Memory: the graph keeps its buffers (static input, output, grads, what its backw
 between calls, where the eager path frees them after backward; ``save_original_input`` then
 saves the static copy of x (so the flag's saving is the columnwise FP8 copy of the static
 buffers, not memory shared with another module), and saved-tensor accounting
-(``megatron_fp8.memory``) sees none of a graphed layer's tensors.
+(``megatron_fp8.memory``) sees none of a graphed layer's tensors. Never silent about it: each
+capture records what it left allocated (``LinearGraph.held``, listed by ``held_by_graphs()``),
+the first capture of a process warns once, and the Megatron plug-in prints the total
+(``held_note``) after the model's first forward.
 """
 
 from __future__ import annotations
