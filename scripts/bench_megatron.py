@@ -314,7 +314,7 @@ _MEM = re.compile(r"max allocated: ([\d.]+)")
 _LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 _GEMMS = re.compile(r"megatron_fp8 \[rank 0\]: (\d+ FP8 GEMMs \([^)]*\))")
 _FORWARDS = re.compile(r"megatron_fp8 \[rank 0\]: \d+ FP8 layer forwards \(([^)]*)\)")
-_HELD = re.compile(r"the CUDA graphs of (\d+) FP8 linears hold ([\d,]+) MiB")
+_HELD = re.compile(r"the CUDA graphs of (\d+) FP8 linears(?: \((\d+) graph pairs[^)]*\))? hold ([\d,]+) MiB")
 
 
 def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> Result:
@@ -331,7 +331,8 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
                   gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady),
                   float(losses[-1]) if losses else None,
-                  graphs_held=f"graphs hold {held[-1][1]} MiB ({held[-1][0]} linears)" if held else "")
+                  graphs_held=f"graphs hold {held[-1][2]} MiB ({held[-1][0]} linears"
+                  f"{f', {held[-1][1]} graph pairs' if held[-1][1] else ''})" if held else "")
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)(?: round=(\d+))?\n\$ (.*)$", re.M)

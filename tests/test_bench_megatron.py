@@ -189,6 +189,9 @@ def test_fused_graphs_variants_and_what_the_graphs_hold(monkeypatch) -> None:
     assert r.graphs_held == "graphs hold 8,123 MiB (16 linears)" and "; graphs hold 8,123 MiB" in bm.table([r])
     assert bm.parse("dense-1b", bm.Variant("ours-blockwise", True, "blockwise"), out.split("\nmegatron_fp8: M")[0],
                     0, 1).graphs_held == ""
+    pairs = out.replace("16 FP8 linears hold", "16 FP8 linears (20 graph pairs: one per input signature) hold")
+    assert bm.parse("dense-1b", bm.Variant("x", True), pairs, 0, 1).graphs_held == \
+        "graphs hold 8,123 MiB (16 linears, 20 graph pairs)"
 
 
 def test_fusions_megatron_keeps_megatrons_compiled_fusions() -> None:

@@ -195,7 +195,10 @@ def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -
     note = graphed.held_note()
     assert note is not None and "the CUDA graphs of 2 FP8 linears hold 8 MiB" in note, note
     assert note.index("Linear(b) 5") < note.index("Linear(a) 3") and "MEGATRON_FP8_GRAPHS=0" in note
-    del a
+    again = _Held("Linear(b)", 2**20)  # a second input signature of the same layer
+    graphed._note_held(again)  # type: ignore[arg-type]
+    assert "of 2 FP8 linears (3 graph pairs: one per input signature) hold 9 MiB" in (graphed.held_note() or "")
+    del a, again
     assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20)]
 
 

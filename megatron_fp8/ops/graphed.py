@@ -374,8 +374,10 @@ def held_note(most: int = 3) -> str | None:
     if not held:
         return None
     total = sum(b for _, b in held)
+    layers = len({owner for owner, _ in held})
+    pairs = f" ({len(held)} graph pairs: one per input signature)" if len(held) != layers else ""
     top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
-    return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {len(held)} FP8 linears hold {total / 2**20:,.0f} MiB "
+    return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {layers} FP8 linears{pairs} hold {total / 2**20:,.0f} MiB "
             f"between steps (the most, MiB: {top}); {ENV}=0 runs them eagerly without it")
 
 
