@@ -174,7 +174,7 @@ class _Held:
     """A stand-in for a captured ``LinearGraph``: what the memory report reads of one."""
 
     def __init__(self, owner: str, held: int) -> None:
-        self.owner, self.held = owner, held
+        self.owner, self.held, self.reserved = owner, held, 2 * held
 
 
 def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,6 +195,7 @@ def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -
     note = graphed.held_note()
     assert note is not None and "the CUDA graphs of 2 FP8 linears hold 8 MiB" in note, note
     assert note.index("Linear(b) 5") < note.index("Linear(a) 3") and "MEGATRON_FP8_GRAPHS=0" in note
+    assert "the allocator reserved 16 MiB more over their captures" in note
     again = _Held("Linear(b)", 2**20)  # a second input signature of the same layer
     graphed._note_held(again)  # type: ignore[arg-type]
     assert "of 2 FP8 linears (3 graph pairs: one per input signature) hold 9 MiB" in (graphed.held_note() or "")
@@ -221,3 +222,50 @@ def test_megatron_plugin_says_what_graphs_hold_after_the_first_forward(
         root(torch.randn(2, 4))
         out = capsys.readouterr().out
         assert ("hold 7 MiB" in out and "decoder.layers.0.mlp.linear_fc1" in out) == said, out
+
+
+class _ReplayNothing:
+    """What ``GraphedLinear`` reads of a ``LinearGraph``, with replays that do nothing (the CPU
+    has no graphs): the autograd side of a graphed call, apart."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, grads: tuple, fused: bool) -> None:
+        self.x_s, self.y_s, self.dy_s = torch.empty_like(x), y, torch.empty_like(y)
+        self.fwd = self.bwd = type("Replay", (), {"replay": staticmethod(lambda: None)})()
+        self.fwd_gemms: list = []
+        self.bwd_gemms: list = []
+        self.grad_out, self.fused, self.wants, self.lease = grads, fused, (True, True, False), None
+
+    def load_weight(self, w_fp8: object) -> None:
+        pass
+
+
+def test_graphed_fused_backward_hands_autograd_a_fresh_dummy_grad() -> None:
+    """Under Megatron's wgrad fusion the graphed backward hands autograd a dummy grad of its own, as
+    the eager path does, so autograd adopts it; the graph's static one would be copied into
+    ``.grad`` on every call (a weight-sized copy). The flag Megatron's DDP reads is set."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if "clone" in str(func) or "copy" in str(func):
+                self.shapes.append((str(func), tuple(out.shape)))
+            return out
+
+    weight = torch.nn.Parameter(torch.randn(4, 8))
+    weight.main_grad = torch.zeros(4, 8)  # type: ignore[attr-defined]
+    weight.grad_added_to_main_grad = False  # type: ignore[attr-defined]
+    x = torch.randn(2, 8, requires_grad=True)
+    static_dw = torch.randn(4, 8)
+    g = _ReplayNothing(x, torch.randn(2, 4), (torch.randn(2, 8), static_dw, None), fused=True)
+    y = graphed.GraphedLinear.apply(x, weight, None, None, g)
+    with Copies() as seen:
+        y.sum().backward()
+    assert weight.grad_added_to_main_grad  # type: ignore[attr-defined]
+    assert weight.grad is not None and weight.grad.shape == (4, 8) and weight.grad.data_ptr() != static_dw.data_ptr()
+    assert not [s for s in seen.shapes if s[1] == (4, 8)], seen.shapes  # no weight-sized copy
+    assert any(s[1] == (2, 4) for s in seen.shapes)  # (dy into the graph's static buffer)

@@ -123,6 +123,7 @@ class LinearGraph:
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
         self.held = 0  # bytes its capture left allocated (static buffers, saved tensors, its FP8 weight copy)
+        self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
     def load_weight(self, w_fp8: QuantizedTensor) -> None:
         """Copy the layer's FP8 weight into the graph's, unless it is the one copied last."""
@@ -175,9 +176,13 @@ class GraphedLinear(torch.autograd.Function):
         g.bwd.replay()
         _replay_records(g.bwd_gemms)
         lease.release()
-        if g.fused and g.wants[1] and hasattr(ctx.weight, "grad_added_to_main_grad"):
-            ctx.weight.grad_added_to_main_grad = True  # as the eager fused wgrad sets it (ops.linear)
         dx, dw, db = g.grad_out
+        if g.fused and g.wants[1] and hasattr(ctx.weight, "grad_added_to_main_grad"):
+            from .linear import added_to_main_grad  # (ops.linear imports this module)
+
+            # the flag, and a dummy grad of its own, as the eager fused wgrad hands them (ops.linear):
+            # autograd adopts a fresh tensor, where it would copy the graph's (a weight-sized copy a call)
+            dw = added_to_main_grad(ctx.weight)
         return dx, dw, db, None, None
 
 
@@ -304,7 +309,7 @@ def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Ten
 def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
                  fused: bool) -> LinearGraph:
-    before = torch.cuda.memory_allocated(x.device)
+    before, reserved = torch.cuda.memory_allocated(x.device), torch.cuda.memory_reserved(x.device)
     g = LinearGraph(owner)
     g.fused = fused
     x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -341,6 +346,7 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
     g.held = torch.cuda.memory_allocated(x.device) - before
+    g.reserved = torch.cuda.memory_reserved(x.device) - reserved
     _note_held(g)
     return g
 
@@ -377,8 +383,10 @@ def held_note(most: int = 3) -> str | None:
     layers = len({owner for owner, _ in held})
     pairs = f" ({len(held)} graph pairs: one per input signature)" if len(held) != layers else ""
     top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
+    reserved = sum(getattr(g, "reserved", 0) for g in list(_live))
     return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {layers} FP8 linears{pairs} hold {total / 2**20:,.0f} MiB "
-            f"between steps (the most, MiB: {top}); {ENV}=0 runs them eagerly without it")
+            f"between steps (the most, MiB: {top}; the allocator reserved {reserved / 2**20:,.0f} MiB more over "
+            f"their captures); {ENV}=0 runs them eagerly without it")
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
