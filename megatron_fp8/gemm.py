@@ -190,9 +190,14 @@ def record_gemms(into: Any = None) -> Iterator[Any]:
 
 
 def cublaslt_scale(op: Operand) -> torch.Tensor:
-    """``scale_inv`` as cuBLAS takes it: the per-tensor scalar as it is, block scales as
-    ``_block_scale_layout`` lays them out."""
-    return op.scale_inv if op.layout is L.TENSOR else _block_scale_layout(op)
+    """``scale_inv`` as cuBLAS takes it (``lt_scale``)."""
+    return lt_scale(op.scale_inv, op.layout)
+
+
+def lt_scale(s: torch.Tensor, layout: L) -> torch.Tensor:
+    """A ``scale_inv`` ``s`` of ``layout`` as cuBLAS takes it: the per-tensor scalar as it is,
+    block scales as ``block_scale_layout`` lays them out."""
+    return s if layout is L.TENSOR else block_scale_layout(s, layout)
 
 
 def _block_scale_layout(op: Operand) -> torch.Tensor:

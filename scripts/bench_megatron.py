@@ -327,12 +327,18 @@ def parse(config: str, v: Variant, out: str, rc: int, tokens_per_iter: int) -> R
     gemms, forwards = _GEMMS.findall(out), _FORWARDS.findall(out)
     tail = "\n".join(out.strip().splitlines()[-25:]) if rc else ""
     losses = _LOSS.findall(out)
-    held = _HELD.findall(out)
     return Result(config, v.name, ms, tokens_per_iter / ms * 1e3 if ms else None, max(mem) if mem else None,
                   gemms[-1] if gemms else "", rc, tail, forwards[-1] if forwards else "", tuple(steady),
-                  float(losses[-1]) if losses else None,
-                  graphs_held=f"graphs hold {held[-1][2]} MiB ({held[-1][0]} linears"
-                  f"{f', {held[-1][1]} graph pairs' if held[-1][1] else ''})" if held else "")
+                  float(losses[-1]) if losses else None, graphs_held=_graphs_held(out))
+
+
+def _graphs_held(out: str) -> str:
+    """The plug-in's last line on what the per-layer graphs hold, shortened for the table ("" if none)."""
+    found = _HELD.findall(out)
+    if not found:
+        return ""
+    layers, pairs, mib = found[-1]
+    return f"graphs hold {mib} MiB ({layers} linears{f', {pairs} graph pairs' if pairs else ''})"
 
 
 _SECTION = re.compile(r"^===== (\S+) (\S+) rc=(-?\d+)(?: round=(\d+))?\n\$ (.*)$", re.M)

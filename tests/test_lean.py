@@ -235,3 +235,88 @@ def test_lean_tensor_parallel_layers_equal_the_general_path() -> None:
     assert report["counts"]["lean_ran"] == cases * report["world"]
     assert report["counts"]["lean"] == 2 * 2 * 2 * steps * 4 * report["world"]
     assert report["failures"] == 0
+
+
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: lets the cuBLASLt routes be built and called on the
+    CPU, with cuBLASLt's bound call replaced by a matmul (``_fake_lt``)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def _fake_lt(monkeypatch: pytest.MonkeyPatch, kernel: bool = True) -> list[tuple]:
+    """cuBLASLt serving every GEMM natively, ``bind`` a stand-in whose bound call computes
+    ``out (+)= a @ b.T`` in FP32 (None where ``kernel`` is False); what bind and the bound call
+    were handed, in order."""
+    from megatron_fp8 import gemm as gemm_mod
+    from megatron_fp8.gemm import Backend
+
+    seen: list[tuple] = []
+
+    def bind(a, sa, la, b, sb, lb, out_dtype, fast_accum=False, accumulate=False):  # noqa: ANN001, ANN202
+        seen.append(("bind", sa, la, sb, lb, fast_accum, accumulate))
+
+        def bound(a_, sa_, b_, sb_, out):  # noqa: ANN001, ANN202
+            seen.append(("call", sa_, sb_))
+            y = a_.float() @ b_.float().t()
+            out.add_(y.to(out.dtype)) if accumulate else out.copy_(y)
+            return True
+        return bound if kernel else None
+    monkeypatch.setattr(routes.cublaslt, "bind", bind)
+    monkeypatch.setattr(routes.cublaslt, "serves", lambda *_a, **_k: True)
+    monkeypatch.setattr(gemm_mod, "select_backend", lambda *_a: Backend.NATIVE)
+    return seen
+
+
+@pytest.mark.parametrize("layouts", ["tensor", "blocks", "hybrid blocks"])
+def test_cublaslt_routes_hand_it_its_scales_and_record_as_gemm(monkeypatch: pytest.MonkeyPatch, layouts: str) -> None:
+    """The GEMM and wgrad-add routes on cuBLASLt's bound call (``routes.gemm_route`` /
+    ``accumulate_route``), built and called on the CPU against a stand-in for the call: per-tensor
+    scales go to it as they are, block scales laid out as ``gemm.block_scale_layout`` lays them
+    (at binding and at every call); the result is the call's; ``record_gemms`` names them as
+    ``gemm`` does (``[cublaslt]`` for HYBRID blocks); no kernel for the problem leaves ``gemm``'s route."""
+    from megatron_fp8 import gemm as gemm_mod
+    from megatron_fp8.quant.formats import ScaleLayout as L
+    from megatron_fp8.quant.tensor import Operand
+
+    seen = _fake_lt(monkeypatch)
+    m = n = k = 256
+    torch.manual_seed(0)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    a_dt = e5m2 if layouts == "hybrid blocks" else e4m3
+    a = torch.randn(m, k).to(a_dt).as_subclass(_SaysCuda)
+    b = torch.randn(n, k).to(e4m3).as_subclass(_SaysCuda)
+    if layouts == "tensor":
+        la = lb = L.TENSOR
+        sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    else:
+        la, lb = L.BLOCK_1x128, L.BLOCK_128x128
+        sa, sb = torch.rand(m, k // 128) + 0.5, torch.rand(n // 128, k // 128) + 0.5
+
+    def scale(s: torch.Tensor, layout: L) -> torch.Tensor:
+        return s if layout is L.TENSOR else gemm_mod.block_scale_layout(s, layout)
+
+    def same(got: torch.Tensor, s: torch.Tensor, layout: L) -> bool:
+        return got is s if layout is L.TENSOR else torch.equal(got, scale(s, layout))
+
+    with gemm_mod.record_gemms() as calls:
+        route = routes.gemm_route("fprop", Operand(a, sa, la), Operand(b, sb, lb), torch.bfloat16, True)
+        y = route(a, sa, b, sb)
+        into = torch.ones(m, n)
+        add = routes.accumulate_route("wgrad", Operand(a, sa, la), Operand(b, sb, lb), into)
+        assert add(a, sa, b, sb, into) is True
+    (_, bsa, bla, bsb, blb, fast, acc), (_, csa, csb) = seen[0], seen[1]
+    assert (bla, blb, fast, acc) == (la, lb, la is L.TENSOR, False)
+    assert same(bsa, sa, la) and same(bsb, sb, lb) and same(csa, sa, la) and same(csb, sb, lb)
+    assert seen[2][6] is True and same(seen[3][1], sa, la) and same(seen[3][2], sb, lb)  # the add's bind, call
+    want = a.float() @ b.float().t()
+    assert torch.equal(y.float(), want.to(torch.bfloat16).float()) and torch.equal(into, want + 1)
+    tag = "[cublaslt]" if layouts == "hybrid blocks" else ""
+    assert [(c.name, c.layouts, c.mnk) for c in calls] == [(f"fprop{tag}", (la, lb), (m, n, k)),
+                                                          (f"wgrad{tag}", (la, lb), (m, n, k))]
+    _fake_lt(monkeypatch, kernel=False)
+    assert getattr(routes.gemm_route("fprop", Operand(a, sa, la), Operand(b, sb, lb), torch.bfloat16, True),
+                   "general", False)
+    assert getattr(routes.accumulate_route("wgrad", Operand(a, sa, la), Operand(b, sb, lb), into), "general", False)

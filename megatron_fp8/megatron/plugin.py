@@ -136,7 +136,7 @@ class _FirstForward:
         if module in self.done:
             return
         root = _unwrapped(module)
-        ours = [m for m in root.modules() if isinstance(m, FP8Module)]
+        ours = {path: m for path, m in root.named_modules() if isinstance(m, FP8Module)}
         if not ours:  # nothing to configure below: never walk this subtree again (Megatron's own
             self.done.update(root.modules())  # layers, e.g. the baseline, pay one set lookup a call)
             self.done.add(module)
@@ -147,11 +147,10 @@ class _FirstForward:
             return
         self.done.add(module)
         self.done.update(root.modules())  # its own parts (an embedding, a block) are not models of their own
-        for path, m in root.named_modules():  # warnings and errors name the layer, not only its class
-            if isinstance(m, FP8Module):
-                m.adopt_name(path)
+        for path, m in ours.items():  # warnings and errors name the layer, not only its class
+            m.adopt_name(path)
         plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
-        config = getattr(ours[0], "config", None)
+        config = getattr(next(iter(ours.values())), "config", None)
         notes = _whole_iteration_graph(config) if config is not None and whole_iteration_graph(config) else []
         _print0("\n".join([_summary(root, plan, config), *notes]))
         _warn_high_precision_linears(root, config)

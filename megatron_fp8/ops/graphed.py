@@ -383,7 +383,7 @@ def held_note(most: int = 3) -> str | None:
     layers = len({owner for owner, _ in held})
     pairs = f" ({len(held)} graph pairs: one per input signature)" if len(held) != layers else ""
     top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
-    reserved = sum(getattr(g, "reserved", 0) for g in list(_live))
+    reserved = sum(g.reserved for g in list(_live))
     return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {layers} FP8 linears{pairs} hold {total / 2**20:,.0f} MiB "
             f"between steps (the most, MiB: {top}; the allocator reserved {reserved / 2**20:,.0f} MiB more over "
             f"their captures); {ENV}=0 runs them eagerly without it")

@@ -8,9 +8,10 @@ keeps what they decided; a call then allocates its outputs and launches.
 
 A fast route exists where this module launches exactly what the general path launches for the
 signature (the same kernels with the same arguments, so the same bits): current scaling's
-one-launch cast, the 1x128 / 128x128 block casts, delayed scaling's amax-and-cast, torch's
-``scaled_mm`` for per-tensor and E4M3 block GEMMs (cuBLASLt for per-tensor ones where
-``MEGATRON_FP8_TENSOR_GEMM=cublaslt``), cuBLASLt for HYBRID block GEMMs. Elsewhere the
+one-launch cast, the 1x128 / 128x128 block casts, delayed scaling's amax-and-cast, cuBLASLt's
+bound call for block GEMMs (torch's ``scaled_mm`` for E4M3 ones where
+``MEGATRON_FP8_BLOCK_GEMM=torch``) and wgrads added into ``main_grad``, torch's ``_scaled_mm``
+for per-tensor GEMMs (cuBLASLt where ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``). Elsewhere the
 route is the general call itself behind the same signature. ``ops.lean`` builds a linear's plan
 from them.
 """
@@ -272,10 +273,10 @@ def relearning(route: GemmRoute) -> GemmRoute:
 
 def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_accum: bool) -> GemmRoute:
     """The route of ``gemm(a', b', out_dtype)`` for operands like ``a`` and ``b`` (same shapes,
-    dtypes, layouts, device): cuBLASLt called directly where ``gemm`` calls it (HYBRID block scales;
-    per-tensor ones under ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``), torch's ``scaled_mm`` for the
-    other per-tensor and E4M3 block GEMMs, else ``gemm``. Every route reports to ``record_gemms``
-    as ``gemm`` does."""
+    dtypes, layouts, device): cuBLASLt's bound call where ``gemm`` calls cuBLASLt (block scales,
+    E4M3 ones unless ``MEGATRON_FP8_BLOCK_GEMM=torch``; per-tensor ones under
+    ``MEGATRON_FP8_TENSOR_GEMM=cublaslt``), torch's ``scaled_mm`` for the other per-tensor and
+    E4M3 block GEMMs, else ``gemm``. Every route reports to ``record_gemms`` as ``gemm`` does."""
     layouts = (a.layout, b.layout)
     (m, k), (n, _) = a.shape, b.shape
     backend = gemm_mod.select_backend(a.layout, b.layout, a.data.device, (m, n, k))
@@ -283,48 +284,33 @@ def gemm_route(name: str, a: Operand, b: Operand, out_dtype: torch.dtype, fast_a
     if backend is not Backend.NATIVE or not a.data.is_cuda or not (m and n and k):
         return general
     records = gemm_mod._state.records
-    if a.layout is L.TENSOR and cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
-        bound = cublaslt.bind(a.data, a.scale_inv, L.TENSOR, b.data, b.scale_inv, L.TENSOR, out_dtype, fast_accum)
-        if bound is None:  # no kernel for it: gemm runs torch's
+    if cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):  # (per-tensor ones: opt-in)
+        la, lb = layouts
+        scale = gemm_mod.lt_scale
+        bound = cublaslt.bind(a.data, scale(a.scale_inv, la), la, b.data, scale(b.scale_inv, lb), lb, out_dtype,
+                              fast_accum and la is L.TENSOR)  # (block GEMMs accumulate in full)
+        if bound is None:  # no kernel for it: gemm decides (torch's, Triton's) and records
             return general
+        recorded = gemm_mod.direct_name(name, a, b)  # as gemm records them
         device = a.data.device
 
-        def tensorwise_lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
             y = torch.empty((m, n), dtype=out_dtype, device=device)
-            if not bound(a, sa, b, sb, y):
-                return general(a, sa, b, sb)  # a pointer it does not take: gemm runs torch's
+            if not bound(a, scale(sa, la), b, scale(sb, lb), y):
+                return general(a, sa, b, sb)  # a pointer it does not take: gemm decides
             if records:
-                gemm_mod.record(name, backend, layouts, (m, n, k))
+                gemm_mod.record(recorded, backend, layouts, (m, n, k))
             return y
-        return tensorwise_lt
+        return lt
     if a.layout is L.TENSOR:
         def tensorwise(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
             if records:
                 gemm_mod.record(name, backend, layouts, (m, n, k))
             return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
         return tensorwise
-    if a.layout not in (L.BLOCK_1x128, L.BLOCK_128x128):
-        return general
+    if a.layout not in (L.BLOCK_1x128, L.BLOCK_128x128) or gemm_mod._e5m2_blocks(a, b):
+        return general  # HYBRID blocks cuBLASLt does not serve: Triton's GEMM or emulation (gemm decides)
     layout_of = gemm_mod.block_scale_layout
-    hybrid = gemm_mod._e5m2_blocks(a, b)
-    if hybrid or cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
-        if not cublaslt.serves(a.data, a.layout, b.data, b.layout, out_dtype):
-            return general  # Triton's GEMM or emulation: gemm decides and records
-        recorded = gemm_mod.direct_name(name, a, b)  # as gemm records them
-        bound = cublaslt.bind(a.data, layout_of(a.scale_inv, layouts[0]), layouts[0], b.data,
-                              layout_of(b.scale_inv, layouts[1]), layouts[1], out_dtype)
-        if bound is None:
-            return general  # no kernel for it: gemm decides (Triton's GEMM) and records
-        device = a.data.device
-
-        def lt(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-            y = torch.empty((m, n), dtype=out_dtype, device=device)
-            if not bound(a, layout_of(sa, layouts[0]), b, layout_of(sb, layouts[1]), y):
-                return general(a, sa, b, sb)
-            if records:
-                gemm_mod.record(recorded, backend, layouts, (m, n, k))
-            return y
-        return lt
     if gemm_mod._BLOCK_OUT_DTYPES.get(out_dtype) != out_dtype:
         # gemm finds out once whether cuBLAS writes this dtype itself: until it has, the caller
         # asks again after each call (``relearn``), so the fast route follows once it knows
@@ -363,22 +349,21 @@ def accumulate_route(name: str, a: Operand, b: Operand, into: torch.Tensor) -> A
     cuBLASLt, else ``accumulate`` itself. Records as ``accumulate`` does."""
     la, lb = a.layout, b.layout
     general = general_accumulate(name, la, lb)
-    if not (a.data.is_cuda and gemm_mod.accumulates(a, b, into)):
+    if not gemm_mod.accumulates(a, b, into):  # (CUDA only: cuBLASLt serves nothing else)
         return general
-    bound = cublaslt.bind(a.data, gemm_mod.cublaslt_scale(a), la, b.data, gemm_mod.cublaslt_scale(b), lb,
-                          torch.float32, accumulate=True)
+    scale = gemm_mod.lt_scale
+    bound = cublaslt.bind(a.data, scale(a.scale_inv, la), la, b.data, scale(b.scale_inv, lb), lb, torch.float32,
+                          accumulate=True)
     if bound is None:
         return general
     (m, k), (n, _) = a.shape, b.shape
     records = gemm_mod._state.records
     recorded = gemm_mod.direct_name(name, a, b)
-    layout_of = gemm_mod.block_scale_layout
 
     def acc(a_: torch.Tensor, sa: torch.Tensor, b_: torch.Tensor, sb: torch.Tensor, into_: torch.Tensor) -> bool:
         if into_.dtype != torch.float32 or into_.shape != (m, n) or not into_.is_contiguous():
             return general(a_, sa, b_, sb, into_)
-        if not bound(a_, sa if la is L.TENSOR else layout_of(sa, la), b_, sb if lb is L.TENSOR else layout_of(sb, lb),
-                     into_):
+        if not bound(a_, scale(sa, la), b_, scale(sb, lb), into_):
             return general(a_, sa, b_, sb, into_)  # (a pointer it does not take: accumulate declines it too)
         if records:
             gemm_mod.record(recorded, Backend.NATIVE, (la, lb), (m, n, k))
