@@ -269,3 +269,39 @@ def test_graphed_fused_backward_hands_autograd_a_fresh_dummy_grad() -> None:
     assert weight.grad is not None and weight.grad.shape == (4, 8) and weight.grad.data_ptr() != static_dw.data_ptr()
     assert not [s for s in seen.shapes if s[1] == (4, 8)], seen.shapes  # no weight-sized copy
     assert any(s[1] == (2, 4) for s in seen.shapes)  # (dy into the graph's static buffer)
+
+
+def test_graph_takes_over_the_layers_fp8_weight() -> None:
+    """A new FP8 weight is copied into the graph's static copy once, and then points at that copy
+    (same values): the cast's own buffers are freed while the layer's micro-batch cache still
+    holds the object, so a graphed layer keeps one FP8 weight, not two. Another graph of the
+    layer (a second input signature) copies from it and takes it over in turn."""
+    import gc
+    import weakref
+
+    layer = mf.Linear(64, 32, params_dtype=torch.float32)
+    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+        quantizers = layer.fp8_quantizers("weight")
+        assert quantizers is not None
+        w_fp8 = layer.fp8_weight("weight", quantizers, is_first_microbatch=True)  # cached for the step
+    want = [t.clone() for t in w_fp8.tensors()]
+    own = weakref.ref(w_fp8.rowwise.data.untyped_storage())
+    g1, g2 = (graphed.LinearGraph.__new__(graphed.LinearGraph) for _ in range(2))
+    for g in (g1, g2):
+        g.w_s, g.w_src = graphed._static_copy(w_fp8), (lambda: None)
+        for t in g.w_s.tensors():
+            t.zero_()
+    g1.load_weight(w_fp8)
+    gc.collect()
+    assert own() is None  # the cast's own buffer is gone
+    assert all(a is b for a, b in zip(w_fp8.tensors(), g1.w_s.tensors(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), want, strict=True))
+    assert layer.fp8_weight("weight", quantizers, is_first_microbatch=False) is w_fp8  # the cache's
+    g1.w_s.scale.fill_(-1.0)  # a second load of the same object copies nothing:
+    g1.load_weight(w_fp8)
+    assert g1.w_s.scale.item() == -1.0
+    g1.w_s.scale.copy_(want[-1])
+    g2.load_weight(w_fp8)  # another signature's graph: copies the values, takes the object over
+    assert all(torch.equal(a, b) for a, b in zip(g2.w_s.tensors(), want, strict=True))
+    assert all(a is b for a, b in zip(w_fp8.tensors(), g2.w_s.tensors(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), want, strict=True))  # g1's copy untouched

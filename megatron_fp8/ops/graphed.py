@@ -126,11 +126,15 @@ class LinearGraph:
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
     def load_weight(self, w_fp8: QuantizedTensor) -> None:
-        """Copy the layer's FP8 weight into the graph's, unless it is the one copied last."""
+        """Copy the layer's FP8 weight into the graph's, unless it is the one copied last; then
+        point ``w_fp8`` at the graph's copy (same values), so that the cast's own buffers go where
+        nothing else holds them: the layer's micro-batch cache keeps ``w_fp8`` for the rest of the
+        step, which held a second FP8 copy of every graphed weight (2 bytes a parameter)."""
         assert self.w_s is not None
         if self.w_src() is w_fp8:
             return
         torch._foreach_copy_(self.w_s.tensors(), w_fp8.tensors())
+        w_fp8.rowwise, w_fp8.columnwise, w_fp8.scale = self.w_s.rowwise, self.w_s.columnwise, self.w_s.scale
         self.w_src = weakref.ref(w_fp8)
 
 
