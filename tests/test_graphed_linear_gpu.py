@@ -138,22 +138,24 @@ def test_a_copy_of_a_graphed_layer_makes_its_own_graphs(monkeypatch: pytest.Monk
 
 def test_graphs_say_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a layer's capture leaves allocated is counted: at least its static input, output,
-    output gradient and input gradient and its FP8 weight copy; said once, naming the layer."""
+    output gradient and input gradient and its FP8 weight copy, and two layers of one shape
+    alike; said once, naming the first layer."""
     import weakref
 
     from megatron_fp8.ops import graphed
 
     monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
-    layer = mf.Linear(512, 384, params_dtype=torch.bfloat16, device="cuda", name="held")
+    layers = [mf.Linear(512, 384, params_dtype=torch.bfloat16, device="cuda", name=name) for name in ("held", "twin")]
     x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
-            y = layer(x * 1.5)
+            y = layers[1](layers[0](x * 1.5)[..., :128].repeat(1, 4))
         y.float().sum().backward()
-    held = graphed.held_by_graphs()
+    held = dict(graphed.held_by_graphs())
     floor = 2 * (256 * 512) * 2 + 2 * (256 * 384) * 2 + 2 * (384 * 512)  # x, dx; y, dy (BF16); weight (FP8, 2 copies)
-    assert [o for o, _ in held] == ["Linear(held)"] and held[0][1] >= floor, (held, floor)
+    assert sorted(held) == ["Linear(held)", "Linear(twin)"] and held["Linear(held)"] >= floor, (held, floor)
+    assert held["Linear(held)"] == held["Linear(twin)"], held  # the same buffers counted the same
     said = [str(w.message) for w in caught if "keep their buffers" in str(w.message)]
     assert len(said) == 1 and "Linear(held)" in said[0], said

@@ -122,7 +122,7 @@ class LinearGraph:
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
-        self.held = 0  # bytes its capture left allocated (static buffers, saved tensors, its FP8 weight copy)
+        self.held = 0  # bytes it keeps allocated (static buffers, saved tensors, its FP8 weight copy)
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
     def load_weight(self, w_fp8: QuantizedTensor) -> None:
@@ -327,7 +327,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
                  fused: bool) -> LinearGraph:
-    before, reserved = torch.cuda.memory_allocated(x.device), torch.cuda.memory_reserved(x.device)
+    reserved = torch.cuda.memory_reserved(x.device)
     g = LinearGraph(owner)
     g.fused = fused
     x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -363,10 +363,24 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
-    g.held = torch.cuda.memory_allocated(x.device) - before
+    g.held = _held_bytes(g, pool, x.device)
     g.reserved = torch.cuda.memory_reserved(x.device) - reserved
     _note_held(g)
     return g
+
+
+def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int:
+    """What ``g`` keeps allocated between calls: the live blocks of its private pool (its static
+    output and gradients, what its backward reads) and its static input, output gradient and FP8
+    weight copy, made outside the pool. (Not ``memory_allocated`` before and after the capture:
+    blocks freed across streams stay counted until the allocator next looks at their events, so
+    that difference moved by up to 1.2 GB between processes of one probe, run AW.)"""
+    in_pool = sum(b["size"] for seg in torch.cuda.memory_snapshot()
+                  if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)
+                  for b in seg["blocks"] if b["state"] == "active_allocated")
+    outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
+    return in_pool + sum(outside.values())
 
 
 _live: weakref.WeakSet[LinearGraph] = weakref.WeakSet()  # every captured graph still alive

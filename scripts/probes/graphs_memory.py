@@ -28,7 +28,30 @@ import sys
 MiB = 2**20
 
 
-def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool) -> dict[str, float]:
+def _where(frames: list[dict]) -> str:
+    """The allocating call as our code saw it: the innermost frame of ours and the one of ours
+    it came from."""
+    ours = [f for f in frames if "megatron_fp8" in f.get("filename", "") or "graphs_memory" in f.get("filename", "")]
+    said = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in ours[:3]]
+    return " < ".join(said) if said else "(no frame of ours)"
+
+
+def _live_by_site(snapshot: dict, main_stream: int) -> dict[str, int]:
+    """Bytes of live blocks by pool, stream (the caller's or a capture's) and allocating site
+    (blocks allocated before the recording began, the parameters, have no frames)."""
+    by: dict[str, int] = {}
+    for seg in snapshot["segments"]:
+        graph_pool = tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        where = "graph pool" if graph_pool else "capture stream" if seg.get("stream") != main_stream else "main stream"
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                key = f"{where}: {_where(b.get('frames', []))}"
+                by[key] = by.get(key, 0) + b["size"]
+    return by
+
+
+def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool,
+         history: bool = False) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
@@ -73,6 +96,8 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool)
 
     base = torch.cuda.memory_allocated()
     got: dict[str, float] = {}
+    if history:
+        torch.cuda.memory._record_memory_history(max_entries=200000)
     for i in range(3):
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -105,6 +130,10 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool)
         got[f"{key}: allocated"] = used / MiB
         got[f"{key}: reserved"] = total / MiB
     got["reserved total"] = torch.cuda.memory_reserved() / MiB
+    if history:
+        sites = _live_by_site(torch.cuda.memory._snapshot(), main_stream)
+        for key, n in sorted(sites.items(), key=lambda kv: -kv[1])[:24]:
+            print(f"SITE {n / MiB:9,.1f} MiB  {key}")
     return got
 
 
@@ -113,20 +142,27 @@ def main() -> None:
     ap.add_argument("--recipes", default="current,blockwise")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--modes", default="eager,graphs,graphs-stream-each")
+    ap.add_argument("--history", action="store_true",
+                    help="record allocations; print where the live blocks off the caller's stream came from")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         recipe, mode = args.child.split(":")
-        got = _one(recipe, mode != "eager", args.layers, args.tokens, mode == "graphs-stream-each")
+        got = _one(recipe, mode != "eager", args.layers, args.tokens, mode == "graphs-stream-each", args.history)
         print("RESULT " + json.dumps(got))
         return
-    modes = ["eager", "graphs", "graphs-stream-each"]
+    modes = args.modes.split(",")
     table: dict[str, dict[str, dict[str, float]]] = {}
     for recipe in args.recipes.split(","):
         for mode in modes:
             run = subprocess.run([sys.executable, __file__, "--child", f"{recipe}:{mode}", "--layers", str(args.layers),
-                                  "--tokens", str(args.tokens)], capture_output=True, text=True, timeout=300)
+                                  "--tokens", str(args.tokens)] + (["--history"] if args.history else []),
+                                 capture_output=True, text=True, timeout=300)
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+            for ln in run.stdout.splitlines():
+                if ln.startswith("SITE "):
+                    print(f"{recipe} {mode}: {ln[5:]}")
             if run.returncode or not lines:
                 print(f"{recipe} {mode}: rc={run.returncode}\n{run.stderr[-3000:]}")
                 continue
