@@ -305,3 +305,26 @@ def test_graph_takes_over_the_layers_fp8_weight() -> None:
     assert all(torch.equal(a, b) for a, b in zip(g2.w_s.tensors(), want, strict=True))
     assert all(a is b for a, b in zip(w_fp8.tensors(), g2.w_s.tensors(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), want, strict=True))  # g1's copy untouched
+
+
+def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph's count: the live blocks of the allocator's segments of its own pool (not blocks
+    pending a free, not other pools), plus its static input, output gradient and FP8 weight
+    copy made outside the pool, each storage once; None where no segment of the pool holds the
+    graph's output (the caller then falls back, warning)."""
+    g = graphed.LinearGraph.__new__(graphed.LinearGraph)
+    g.y_s, g.x_s, g.dy_s = torch.empty(8), torch.empty(4), torch.empty(2)
+    g.w_s = type("W", (), {"tensors": lambda self: [g.x_s, torch.empty(3, dtype=torch.uint8)]})()
+    y = g.y_s.untyped_storage().data_ptr()
+
+    def segment(pool: tuple[int, int], address: int, *blocks: tuple[int, str]) -> dict:
+        return {"device": 0, "segment_pool_id": pool, "address": address, "total_size": 2**20,
+                "blocks": [{"size": n, "state": state} for n, state in blocks]}
+    segments = [segment((7, 0), y, (512, "active_allocated"), (1024, "active_pending_free"), (4096, "inactive")),
+                segment((7, 0), y + 2**20, (2048, "active_allocated")),
+                segment((0, 0), 0, (9999, "active_allocated")), segment((8, 0), 0, (7777, "active_allocated"))]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    outside = 16 + 8 + 3  # x_s (also in the weight's list: once), dy_s, the weight's other tensor
+    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
+    assert graphed._held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
+    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments

@@ -30,11 +30,16 @@ that stops a layer from being graphed warns once, naming the layer and why, and 
 eagerly.
 
 Memory: the graph keeps its buffers (static input, output, grads, what its backward reads)
-between calls, where the eager path frees them after backward; ``save_original_input`` then
+between calls, where the eager path frees them after backward. The layer's FP8 weight is held
+once: its micro-batch cache points at the graph's copy. Every capture warms up and captures on
+one side stream: with a stream each, every stream kept its warm-up outputs and cuBLASLt
+workspace, and 16 dense-1b linears kept 6.4 GB between steps against 3.5 GB (run AW).
+``save_original_input`` then
 saves the static copy of x (so the flag's saving is the columnwise FP8 copy of the static
 buffers, not memory shared with another module), and saved-tensor accounting
 (``megatron_fp8.memory``) sees none of a graphed layer's tensors. Never silent about it: each
-capture records what it left allocated (``LinearGraph.held``, listed by ``held_by_graphs()``),
+capture counts what it keeps (``LinearGraph.held``: its pool's live blocks and its static
+buffers outside the pool; listed by ``held_by_graphs()``),
 the first capture of a process warns once, and the Megatron plug-in prints the total
 (``held_note``) after the model's first forward.
 """
@@ -316,9 +321,9 @@ _side: dict[torch.device, torch.cuda.Stream] = {}
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream every capture of ours on ``device`` warms up and captures on, as
     ``torch.cuda.graph`` keeps one capture stream per process. A new stream per capture cost
-    memory: the caching allocator serves a stream only from blocks cached for it, and per-stream
-    buffers (cuBLAS workspaces) were made anew; on the H100, 16 dense-1b linears (4096 tokens)
-    held 8.6 GB between steps with a stream each against 3.7 GB with one (scripts/probes/graphs_memory.py)."""
+    memory: each stream kept its own cuBLASLt workspace (32 MiB) and its warm-ups' GEMM outputs
+    stayed allocated; on the H100, 16 dense-1b linears (4096 tokens) kept 8.6 GB between steps
+    with a stream each against 3.7 GB with one (run AW, scripts/probes/graphs_memory.py)."""
     if device not in _side:
         _side[device] = torch.cuda.Stream(device)
     return _side[device]
@@ -327,7 +332,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, owner: str,
                  fused: bool) -> LinearGraph:
-    reserved = torch.cuda.memory_reserved(x.device)
+    before, reserved = torch.cuda.memory_allocated(x.device), torch.cuda.memory_reserved(x.device)
     g = LinearGraph(owner)
     g.fused = fused
     x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
@@ -363,21 +368,34 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
-    g.held = _held_bytes(g, pool, x.device)
+    held = _held_bytes(g, pool, x.device)
+    if held is None:
+        held = torch.cuda.memory_allocated(x.device) - before
+        if ("held", "approximate") not in _warned:
+            _warned.add(("held", "approximate"))
+            warnings.warn(f"megatron_fp8: {owner}: the allocator's snapshot showed no segment of its graph's memory "
+                          "pool holding the graph's output, so what graphs hold is counted as memory_allocated's rise "
+                          "over each capture (approximate; said once per process)", RuntimeWarning, stacklevel=2)
+    g.held = held
     g.reserved = torch.cuda.memory_reserved(x.device) - reserved
     _note_held(g)
     return g
 
 
-def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int:
+def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     """What ``g`` keeps allocated between calls: the live blocks of its private pool (its static
     output and gradients, what its backward reads) and its static input, output gradient and FP8
     weight copy, made outside the pool. (Not ``memory_allocated`` before and after the capture:
     blocks freed across streams stay counted until the allocator next looks at their events, so
-    that difference moved by up to 1.2 GB between processes of one probe, run AW.)"""
-    in_pool = sum(b["size"] for seg in torch.cuda.memory_snapshot()
-                  if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)
-                  for b in seg["blocks"] if b["state"] == "active_allocated")
+    that difference moved by up to 1.2 GB between processes of one probe, run AW.) None where
+    the snapshot shows no segment of ``pool`` holding the static output."""
+    segments = [seg for seg in torch.cuda.memory_snapshot()
+                if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
+    assert g.y_s is not None
+    y = g.y_s.untyped_storage().data_ptr()
+    if not any(seg["address"] <= y < seg["address"] + seg["total_size"] for seg in segments):
+        return None  # the pool not found as expected: the caller falls back to its own count
+    in_pool = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
     outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
     return in_pool + sum(outside.values())
