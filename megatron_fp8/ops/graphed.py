@@ -1,6 +1,7 @@
 """Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``; experimental
-(on the H100 the graphed GPU tests pass, and in Megatron-LM's dense-1b loop the graphs were 5-33%
-faster than eager in two interleaved rounds, with 6.7-8.7 GB more memory: docs/benchmarks.md run AV).
+(on the H100 the graphed GPU tests pass; in Megatron-LM's dense-1b loop the graphs were faster
+than eager in 5 of 6 same-round pairs, by 5-33%, and 13% slower in one, with 5.3 GB more memory
+since run AW's fixes: docs/benchmarks.md runs AV, AW).
 
 An eager FP8 linear pays ~0.6-0.9 ms of host time per forward+backward (its casts, GEMMs and
 autograd Python), more than its GPU work below hidden ~4096: the GPU idles (docs/benchmarks.md).
