@@ -275,7 +275,8 @@ def test_graph_takes_over_the_layers_fp8_weight() -> None:
     """A new FP8 weight is copied into the graph's static copy once, and then points at that copy
     (same values): the cast's own buffers are freed while the layer's micro-batch cache still
     holds the object, so a graphed layer keeps one FP8 weight, not two. Another graph of the
-    layer (a second input signature) copies from it and takes it over in turn."""
+    layer (a second input signature) copies from it and takes it over in turn. An object the
+    cache does not keep (a functional caller's) is copied from and left as it was."""
     import gc
     import weakref
 
@@ -296,6 +297,7 @@ def test_graph_takes_over_the_layers_fp8_weight() -> None:
     assert own() is None  # the cast's own buffer is gone
     assert all(a is b for a, b in zip(w_fp8.tensors(), g1.w_s.tensors(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), want, strict=True))
+    assert all(getattr(t, "_mf_param_derived", False) for t in w_fp8.tensors())  # accounting: a parameter's
     assert layer.fp8_weight("weight", quantizers, is_first_microbatch=False) is w_fp8  # the cache's
     g1.w_s.scale.fill_(-1.0)  # a second load of the same object copies nothing:
     g1.load_weight(w_fp8)
@@ -305,6 +307,13 @@ def test_graph_takes_over_the_layers_fp8_weight() -> None:
     assert all(torch.equal(a, b) for a, b in zip(g2.w_s.tensors(), want, strict=True))
     assert all(a is b for a, b in zip(w_fp8.tensors(), g2.w_s.tensors(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), want, strict=True))  # g1's copy untouched
+    from megatron_fp8.ops.linear import cast_weight
+
+    mine = cast_weight(quantizers.weight, layer.weight)  # a functional caller's own cast: not the cache's
+    kept = mine.tensors()
+    g1.load_weight(mine)
+    assert all(a is b for a, b in zip(mine.tensors(), kept, strict=True))  # copied from, left as it was
+    assert all(torch.equal(a, b) for a, b in zip(g1.w_s.tensors(), kept, strict=True))
 
 
 def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -159,3 +159,4 @@ def test_graphs_say_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     assert held["Linear(held)"] == held["Linear(twin)"], held  # the same buffers counted the same
     said = [str(w.message) for w in caught if "keep their buffers" in str(w.message)]
     assert len(said) == 1 and "Linear(held)" in said[0], said
+    assert not [w for w in caught if "approximate" in str(w.message)]  # counted from the graphs' pools

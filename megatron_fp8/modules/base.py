@@ -134,6 +134,8 @@ class FP8Module(nn.Module):
             self._w_cache.pop(key, None)
         else:
             self._w_cache[key] = value
+            if isinstance(value, QuantizedTensor):
+                value.cached = True
         return value
 
     # ---- checkpointing of FP8 state (delayed-scaling histories) ----

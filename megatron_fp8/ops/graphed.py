@@ -31,18 +31,17 @@ that stops a layer from being graphed warns once, naming the layer and why, and 
 eagerly.
 
 Memory: the graph keeps its buffers (static input, output, grads, what its backward reads)
-between calls, where the eager path frees them after backward. The layer's FP8 weight is held
-once: its micro-batch cache points at the graph's copy. Every capture warms up and captures on
-one side stream: with a stream each, every stream kept its warm-up outputs and cuBLASLt
-workspace, and 16 dense-1b linears kept 6.4 GB between steps against 3.5 GB (run AW).
-``save_original_input`` then
-saves the static copy of x (so the flag's saving is the columnwise FP8 copy of the static
-buffers, not memory shared with another module), and saved-tensor accounting
-(``megatron_fp8.memory``) sees none of a graphed layer's tensors. Never silent about it: each
+between calls, where the eager path frees them after backward. ``save_original_input`` saves
+the static copy of x (so the flag's saving is the columnwise FP8 copy of the static buffers, not
+memory shared with another module), and saved-tensor accounting (``megatron_fp8.memory``) sees
+none of a graphed layer's tensors. The layer's FP8 weight is held once: its micro-batch cache
+points at the graph's copy. Every capture warms up and captures on one side stream: with a
+stream each, every stream kept its warm-up outputs and cuBLASLt workspace, and 16 dense-1b
+linears kept 8,582 MiB between steps against 3,746 MiB (run AW). Never silent about it: each
 capture counts what it keeps (``LinearGraph.held``: its pool's live blocks and its static
-buffers outside the pool; listed by ``held_by_graphs()``),
-the first capture of a process warns once, and the Megatron plug-in prints the total
-(``held_note``) after the model's first forward.
+buffers outside the pool; listed by ``held_by_graphs()``; what its pool reserved besides is
+``LinearGraph.reserved``), the first capture of a process warns once, and the Megatron plug-in
+prints the totals (``held_note``) after the model's first forward.
 """
 
 from __future__ import annotations
@@ -132,15 +131,18 @@ class LinearGraph:
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
     def load_weight(self, w_fp8: QuantizedTensor) -> None:
-        """Copy the layer's FP8 weight into the graph's, unless it is the one copied last; then
-        point ``w_fp8`` at the graph's copy (same values), so that the cast's own buffers go where
-        nothing else holds them: the layer's micro-batch cache keeps ``w_fp8`` for the rest of the
-        step, which held a second FP8 copy of every graphed weight (2 bytes a parameter)."""
+        """Copy the layer's FP8 weight into the graph's, unless it is the one copied last. Where
+        the layer's micro-batch cache keeps ``w_fp8`` (``w_fp8.cached``) for the rest of the
+        step, point it at the graph's copy (same values), so that the cast's own buffers go: the
+        cache held a second FP8 copy of every graphed weight (2 bytes a parameter, run AW). (An
+        object a caller of ``ops.linear.linear`` keeps is left as it is: a later load would
+        change its values.)"""
         assert self.w_s is not None
         if self.w_src() is w_fp8:
             return
         torch._foreach_copy_(self.w_s.tensors(), w_fp8.tensors())
-        w_fp8.rowwise, w_fp8.columnwise, w_fp8.scale = self.w_s.rowwise, self.w_s.columnwise, self.w_s.scale
+        if w_fp8.cached:
+            w_fp8.rowwise, w_fp8.columnwise, w_fp8.scale = self.w_s.rowwise, self.w_s.columnwise, self.w_s.scale
         self.w_src = weakref.ref(w_fp8)
 
 
@@ -235,13 +237,16 @@ def _scratch_main_grad(weight: torch.Tensor) -> Iterator[None]:
 
 
 def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
-    """``qt`` with every tensor cloned (same shapes and strides): the graph's own FP8 weight."""
+    """``qt`` with every tensor cloned (same shapes and strides): the graph's own FP8 weight,
+    marked parameter-derived as the cast was (the layer's cache points at it: ``load_weight``)."""
     from dataclasses import replace
+
+    from .linear import mark_param_derived  # (ops.linear imports this module)
 
     def op(o: Any) -> Any:
         return None if o is None else replace(o, data=o.data.clone(), scale_inv=o.scale_inv.clone())
-    return replace(qt, rowwise=op(qt.rowwise), columnwise=op(qt.columnwise),
-                   scale=qt.scale.clone() if qt.scale is not None else None)
+    return mark_param_derived(replace(qt, rowwise=op(qt.rowwise), columnwise=op(qt.columnwise),
+                                      scale=qt.scale.clone() if qt.scale is not None else None, cached=False))
 
 
 _capturing: list[bool] = []  # a capture (or its warm-up) of ours is under way: its calls run eagerly
@@ -323,8 +328,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream every capture of ours on ``device`` warms up and captures on, as
     ``torch.cuda.graph`` keeps one capture stream per process. A new stream per capture cost
     memory: each stream kept its own cuBLASLt workspace (32 MiB) and its warm-ups' GEMM outputs
-    stayed allocated; on the H100, 16 dense-1b linears (4096 tokens) kept 8.6 GB between steps
-    with a stream each against 3.7 GB with one (run AW, scripts/probes/graphs_memory.py)."""
+    stayed allocated; on the H100, 16 dense-1b linears (4096 tokens) kept 8,582 MiB between steps
+    with a stream each against 3,746 MiB with one (run AW, scripts/probes/graphs_memory.py)."""
     if device not in _side:
         _side[device] = torch.cuda.Stream(device)
     return _side[device]
@@ -376,7 +381,7 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
             _warned.add(("held", "approximate"))
             warnings.warn(f"megatron_fp8: {owner}: the allocator's snapshot showed no segment of its graph's memory "
                           "pool holding the graph's output, so what graphs hold is counted as memory_allocated's rise "
-                          "over each capture (approximate; said once per process)", RuntimeWarning, stacklevel=2)
+                          "over each capture (approximate; said once per process)", RuntimeWarning, stacklevel=7)
     g.held = held
     g.reserved = torch.cuda.memory_reserved(x.device) - reserved
     _note_held(g)
@@ -418,9 +423,9 @@ def _note_held(g: LinearGraph) -> None:
 
 
 def held_by_graphs() -> list[tuple[str, int]]:
-    """``(layer, bytes)`` for every live per-layer graph, most first: the memory each capture left
-    allocated (``torch.cuda.memory_allocated`` after it, less before it), which stays until the
-    layer is freed."""
+    """``(layer, bytes)`` for every live per-layer graph, most first: what each keeps allocated
+    (``LinearGraph.held``: its pool's live blocks and its static buffers), until the layer is
+    freed."""
     return sorted(((g.owner, g.held) for g in list(_live)), key=lambda t: -t[1])
 
 

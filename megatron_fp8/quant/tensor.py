@@ -80,6 +80,9 @@ class QuantizedTensor:
     rowwise: Operand | None = None
     columnwise: Operand | None = None
     scale: torch.Tensor | None = None
+    # kept by a layer's micro-batch cache (``FP8Module._cache_fp8_weight``): only such an object
+    # is pointed at a per-layer CUDA graph's own copy once copied in (ops/graphed.py)
+    cached: bool = field(default=False, compare=False, repr=False)
 
     def operand(self, usage: str) -> Operand:
         """The ``"rowwise"`` or ``"columnwise"`` copy, or a clear error if it was not cast."""

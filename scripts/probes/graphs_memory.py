@@ -156,9 +156,14 @@ def main() -> None:
     table: dict[str, dict[str, dict[str, float]]] = {}
     for recipe in args.recipes.split(","):
         for mode in modes:
-            run = subprocess.run([sys.executable, __file__, "--child", f"{recipe}:{mode}", "--layers", str(args.layers),
-                                  "--tokens", str(args.tokens)] + (["--history"] if args.history else []),
-                                 capture_output=True, text=True, timeout=300)
+            try:
+                run = subprocess.run([sys.executable, __file__, "--child", f"{recipe}:{mode}", "--layers",
+                                      str(args.layers), "--tokens", str(args.tokens)]
+                                     + (["--history"] if args.history else []),
+                                     capture_output=True, text=True, timeout=300)
+            except subprocess.TimeoutExpired:
+                print(f"{recipe} {mode}: over 300 s, left out")
+                continue
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
             for ln in run.stdout.splitlines():
                 if ln.startswith("SITE "):
