@@ -337,3 +337,14 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
     assert graphed._held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments
+
+
+def test_static_input_is_a_leaf_of_its_own() -> None:
+    """The graph's static input copies x's values, shape and strides into a leaf: no autograd
+    node links it to the caller's graph (such a node, made on the caller's stream, failed every
+    process's first capture on the GPU); it needs a gradient exactly where x does."""
+    base = torch.randn(6, 4, requires_grad=True)
+    for x in (base * 2, (base * 2).t(), torch.randn(3, 5)):
+        s = graphed._static_input(x)
+        assert s.is_leaf and s.grad_fn is None and s.requires_grad == x.requires_grad
+        assert s.stride() == x.stride() and torch.equal(s, x.detach()) and s.data_ptr() != x.data_ptr()

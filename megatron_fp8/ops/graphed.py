@@ -236,6 +236,20 @@ def _scratch_main_grad(weight: torch.Tensor) -> Iterator[None]:
             weight.main_grad = real  # type: ignore[attr-defined]
 
 
+def _static_input(x: torch.Tensor) -> torch.Tensor:
+    """The graph's static input: ``x``'s values, shape and strides in a leaf of its own that needs a
+    gradient where ``x`` does. A copy made with autograd on was no leaf: a node on the caller's
+    stream (copy_'s backward) linked it to the caller's graph, the captured backward reached that
+    node, and the engine's stream sync with it left the capture (CUDA: "operation would make the
+    legacy stream depend on a capturing blocking stream"; every process's first capture failed so
+    in runs AI, AV, AW, and the retry, made on the capture stream, held). It also kept the
+    caller's first micro-batch's autograd graph alive in the capture's."""
+    x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        x_s.copy_(x)
+    return x_s.requires_grad_(x.requires_grad)
+
+
 def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
     """``qt`` with every tensor cloned (same shapes and strides): the graph's own FP8 weight,
     marked parameter-derived as the cast was (the layer's cache points at it: ``load_weight``)."""
@@ -313,7 +327,7 @@ def _aliases(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Ten
     gradient accumulators, which an earlier eager step made on the default stream (PyTorch warned
     of that stream mismatch in the capture, run AK). With them the warning is gone, but a
     process's first capture still failed once on an H100 and its retry held (run AL): that
-    failure has another cause."""
+    failure had another cause, found since in the static input (``_static_input``)."""
     w = weight.detach().requires_grad_(weight.requires_grad)
     for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):  # what the fused wgrad reads
         if hasattr(weight, name):
@@ -341,9 +355,7 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     before, reserved = torch.cuda.memory_allocated(x.device), torch.cuda.memory_reserved(x.device)
     g = LinearGraph(owner)
     g.fused = fused
-    x_s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    x_s.copy_(x)
-    x_s.requires_grad_(x.requires_grad)
+    x_s = _static_input(x)
     g.x_s, g.w_s = x_s, _static_copy(w_fp8)
     g.wants = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
 
@@ -467,8 +479,9 @@ def _capture_tried_twice(run: Callable[..., torch.Tensor], x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor | None, w_fp8: QuantizedTensor, q: Any,
                          fused: bool) -> LinearGraph | None:
     """``_capture``, tried once more where it fails (a process's first capture failed once on the
-    H100 and the second held, run AI; the second ran on the stream the failed capture left
-    current, as it does here: ``_new_graph`` restores the caller's afterwards)."""
+    H100 and the second held, runs AI-AW; the second ran on the stream the failed capture left
+    current, as it does here: ``_new_graph`` restores the caller's afterwards). The cause found
+    since (``_static_input``, not yet run on a GPU) should leave the retry idle."""
     first = None
     for attempt in range(2):
         try:
