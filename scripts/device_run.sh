@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|graphsab|hostnative|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|graphsab|graphsmem|hostnative|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -143,6 +143,16 @@ for what in "${steps[@]}"; do
     graphsab) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b --iters 20 --repeats 2 \
         --variants megatron-bf16,ours-tensorwise-fused,ours-tensorwise-fused-graphs,ours-blockwise-fused,ours-blockwise-fused-graphs \
         --fusions rope --no-dropout --timeout 100 --out "$OUT/graphsab" 2>&1 | grep -v "^ " | tee "$OUT/bench_graphsab.txt" ;;
+    # the per-layer graphs' memory (run AW): their GPU tests (the pool-based count, no first-capture retry
+    # expected since the static input became a leaf), where a dense-1b stack's memory goes eagerly and graphed,
+    # then one Megatron-LM round with the plug-in's count (~4 min)
+    graphsmem) timeout 90 python3 -m pytest -q -rs -p no:logging -W always tests/test_graphed_linear_gpu.py 2>&1 \
+        | grep -v "^  " | tee "$OUT/graphed_tests.log"
+      timeout 120 python3 scripts/probes/graphs_memory.py --modes eager,graphs 2>&1 | tee "$OUT/graphs_memory.log"
+      timeout 200 python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b --iters 16 \
+        --variants megatron-bf16,ours-tensorwise-fused,ours-tensorwise-fused-graphs --fusions rope --no-dropout \
+        --timeout 60 --out "$OUT/graphsmem" 2>&1 | grep -v "^ " | tee "$OUT/bench_graphsmem.txt"
+      grep -h "capture failed\|graphs of" "$OUT"/graphsmem/*.log | cut -c1-300 | sort | uniq -c ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
