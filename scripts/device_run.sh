@@ -148,7 +148,7 @@ for what in "${steps[@]}"; do
     # then one Megatron-LM round with the plug-in's count (~4 min)
     graphsmem) timeout 90 python3 -m pytest -q -rs -p no:logging -W always tests/test_graphed_linear_gpu.py 2>&1 \
         | grep -v "^  " | tee "$OUT/graphed_tests.log"
-      timeout 120 python3 scripts/probes/graphs_memory.py --modes eager,graphs 2>&1 | tee "$OUT/graphs_memory.log"
+      timeout 120 python3 scripts/probes/graphs_memory.py --modes eager,graphs --history 2>&1 | tee "$OUT/graphs_memory.log"
       timeout 200 python3 scripts/bench_megatron.py --megatron-lm .megatron_lm --configs dense-1b --iters 16 \
         --variants megatron-bf16,ours-tensorwise-fused,ours-tensorwise-fused-graphs --fusions rope --no-dropout \
         --timeout 60 --out "$OUT/graphsmem" 2>&1 | grep -v "^ " | tee "$OUT/bench_graphsmem.txt"
