@@ -343,7 +343,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     ``torch.cuda.graph`` keeps one capture stream per process. A new stream per capture cost
     memory: each stream kept its own cuBLASLt workspace (32 MiB) and its warm-ups' GEMM outputs
     stayed allocated; on the H100, 16 dense-1b linears (4096 tokens) kept 8,582 MiB between steps
-    with a stream each against 3,746 MiB with one (run AW, scripts/probes/graphs_memory.py)."""
+    with a stream each against 3,746 MiB with one (run AW, scripts/probes/graphs_memory.py).
+    So every graph's GEMMs use the side stream's cuBLAS workspaces: two graphs replayed at once on
+    two streams would share them, as graphs captured on ``torch.cuda.graph``'s own stream do; the
+    layers replay on the caller's stream, one after another."""
     if device not in _side:
         _side[device] = torch.cuda.Stream(device)
     return _side[device]
