@@ -107,6 +107,43 @@ def test_second_forward_before_backward_runs_eagerly(monkeypatch: pytest.MonkeyP
     assert any("Linear(inflight)" in m and "second micro-batch" in m for m in results["1"][2]), results["1"][2]
 
 
+def test_two_signatures_share_the_cached_weight_across_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Micro-batches of two token counts (two graphs of one layer), three steps with the weight
+    updated in place between them: the layer's cached FP8 weight is pointed at one graph's copy,
+    the other graph copies from it, and every output and gradient is the eager path's bit for bit."""
+    from megatron_fp8.ops import graphed
+
+    results = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
+        torch.manual_seed(4)
+        layer = mf.Linear(256, 384, params_dtype=torch.bfloat16, device="cuda", name="twosig")
+        out: list[torch.Tensor] = []
+        with paths.count_paths() as counts:
+            for _step in range(3):
+                for micro, tokens in enumerate((256, 128, 256)):
+                    x = torch.randn(tokens, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                    with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+                        y = layer(x * 1.5, is_first_microbatch=micro == 0)
+                    y.float().square().sum().backward()
+                    out += [y.detach().clone(), x.grad.clone()]
+                out.append(layer.weight.grad.clone())
+                if graphs == "1":
+                    cached = layer._w_cache["weight"]
+                    graphs_of = layer._quantizers["weight"].__dict__["_graphs"].values()  # (graph_for keeps them)
+                    kept = {t.data_ptr() for g in graphs_of if isinstance(g, graphed.LinearGraph)
+                            for t in g.w_s.tensors()}
+                    assert len(kept) == 2 * len(cached.tensors())  # two graphs, a copy each
+                    assert {t.data_ptr() for t in cached.tensors()} <= kept  # one copy: a graph's
+                with torch.no_grad():
+                    layer.weight -= 0.1 * layer.weight.grad
+                    layer.weight.grad = None
+        results[graphs] = (out, dict(counts))
+    for i, (a, b) in enumerate(zip(results["0"][0], results["1"][0], strict=True)):
+        assert torch.equal(a, b), i
+    assert results["1"][1] == {"graphed linear": 9}, results["1"][1]
+
+
 def test_delayed_scaling_warns_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
     layer = mf.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda", name="delayedfc")
