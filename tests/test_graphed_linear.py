@@ -332,11 +332,19 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     segments = [segment((7, 0), y, (512, "active_allocated"), (1024, "active_pending_free"), (4096, "inactive")),
                 segment((7, 0), y + 2**20, (2048, "active_allocated")),
                 segment((0, 0), 0, (9999, "active_allocated")), segment((8, 0), 0, (7777, "active_allocated"))]
-    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    asked: list[dict] = []
+
+    def snapshot(mempool_id: tuple[int, int] | None = None, include_traces: bool = True) -> list[dict]:
+        asked.append({"mempool_id": mempool_id, "include_traces": include_traces})
+        return segments  # every pool's: the count filters them itself
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
     outside = 16 + 8 + 3  # x_s (also in the weight's list: once), dy_s, the weight's other tensor
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
     assert graphed._held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments
+    assert asked[0] == {"mempool_id": (7, 0), "include_traces": False}  # asks for its pool, without traces
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # an older torch's signature
+    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
 
 
 def test_static_input_is_a_leaf_of_its_own() -> None:

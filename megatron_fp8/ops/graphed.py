@@ -47,6 +47,7 @@ prints the totals (``held_note``) after the model's first forward.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 import warnings
@@ -410,7 +411,7 @@ def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     blocks freed across streams stay counted until the allocator next looks at their events, so
     that difference moved by up to 1.2 GB between processes of one probe, run AW.) None where
     the snapshot shows no segment of ``pool`` holding the static output."""
-    segments = [seg for seg in torch.cuda.memory_snapshot()
+    segments = [seg for seg in _pool_snapshot(pool)
                 if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
     assert g.y_s is not None
     y = g.y_s.untyped_storage().data_ptr()
@@ -420,6 +421,20 @@ def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
     return in_pool + sum(outside.values())
+
+
+def _pool_snapshot(pool: Any) -> list[dict[str, Any]]:
+    """The allocator's segments, as lean as this torch reads them: only ``pool``'s where
+    ``memory_snapshot`` takes ``mempool_id`` (torch >= 2.6), without the allocation history's
+    trace entries where it takes ``include_traces`` (newer); every segment otherwise. A capture
+    takes one, so a model's start-up does not pay a whole-allocator snapshot per linear."""
+    params = inspect.signature(torch.cuda.memory_snapshot).parameters
+    kwargs: dict[str, Any] = {}
+    if "mempool_id" in params:
+        kwargs["mempool_id"] = tuple(pool)
+    if "include_traces" in params:
+        kwargs["include_traces"] = False
+    return torch.cuda.memory_snapshot(**kwargs)
 
 
 _live: weakref.WeakSet[LinearGraph] = weakref.WeakSet()  # every captured graph still alive
