@@ -183,6 +183,7 @@ def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -
     import weakref
 
     monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
+    monkeypatch.setattr(graphed, "_shared", weakref.WeakValueDictionary())
     assert graphed.held_by_graphs() == [] and graphed.held_note() is None
     a, b = _Held("Linear(a)", 3 * 2**20), _Held("Linear(b)", 5 * 2**20)
     with warnings.catch_warnings(record=True) as caught:
@@ -199,6 +200,10 @@ def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -
     again = _Held("Linear(b)", 2**20)  # a second input signature of the same layer
     graphed._note_held(again)  # type: ignore[arg-type]
     assert "of 2 FP8 linears (3 graph pairs: one per input signature) hold 9 MiB" in (graphed.held_note() or "")
+    shared = graphed._shared_input("dy", torch.empty(2**18))  # 1 MiB of static dy the graphs share
+    assert "hold 10 MiB between steps" in (graphed.held_note() or "")
+    assert "their shared static inputs 1;" in (graphed.held_note() or "")
+    del shared
     del a, again
     assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20)]
 
@@ -234,6 +239,7 @@ class _ReplayNothing:
         self.fwd_gemms: list = []
         self.bwd_gemms: list = []
         self.grad_out, self.fused, self.wants, self.lease = grads, fused, (True, True, False), None
+        self.shared: list = []
 
     def load_weight(self, w_fp8: object) -> None:
         pass
@@ -324,6 +330,7 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     g = graphed.LinearGraph.__new__(graphed.LinearGraph)
     g.y_s, g.x_s, g.dy_s = torch.empty(8), torch.empty(4), torch.empty(2)
     g.w_s = type("W", (), {"tensors": lambda self: [g.x_s, torch.empty(3, dtype=torch.uint8)]})()
+    g.shared = []
     y = g.y_s.untyped_storage().data_ptr()
 
     def segment(pool: tuple[int, int], address: int, *blocks: tuple[int, str]) -> dict:
@@ -345,6 +352,9 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     assert asked[0] == {"mempool_id": (7, 0), "include_traces": False}  # asks for its pool, without traces
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # an older torch's signature
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
+    dy = graphed.SharedInput(g.dy_s)  # a static dy shared with other graphs: counted once, by shared_by_graphs
+    g.shared, g.dy_s = [dy], dy.view(g.dy_s)
+    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside - 8
 
 
 def test_static_input_is_a_leaf_of_its_own() -> None:
@@ -356,3 +366,55 @@ def test_static_input_is_a_leaf_of_its_own() -> None:
         s = graphed._static_input(x)
         assert s.is_leaf and s.grad_fn is None and s.requires_grad == x.requires_grad
         assert s.stride() == x.stride() and torch.equal(s, x.detach()) and s.data_ptr() != x.data_ptr()
+
+
+def test_graphs_of_one_signature_share_their_static_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One static x and one static dy buffer per role and signature (shape, strides, dtype,
+    device), made at first use, freed with the last graph holding it, counted once; each graph
+    gets a leaf of its own on it, needing a gradient where its input does."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(graphed, "_shared", weakref.WeakValueDictionary())
+    x = torch.randn(6, 4, requires_grad=True)
+    a, b = graphed._shared_input("x", x), graphed._shared_input("x", torch.randn(6, 4))
+    assert a is b and a.buffer.shape == (6, 4)
+    others = [graphed._shared_input("dy", x), graphed._shared_input("x", x.t()),
+              graphed._shared_input("x", x.double()), graphed._shared_input("x", torch.randn(6, 5))]
+    assert len({id(o) for o in [a, *others]}) == 5 and others[1].buffer.stride() == x.t().stride()
+    assert graphed.shared_by_graphs() == 3 * 4 * 24 + 8 * 24 + 4 * 30  # x, dy, x.t(); double; 6x5
+    leaf, other = a.view(x), a.view(torch.randn(6, 4))
+    assert leaf.is_leaf and leaf.requires_grad and not other.requires_grad
+    assert leaf.data_ptr() == other.data_ptr() == a.buffer.data_ptr()
+    del a, b, others, leaf, other
+    gc.collect()
+    assert graphed.shared_by_graphs() == 0 and not graphed._shared
+
+
+class _SavesX(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x.reshape(-1), w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return dy @ w.t(), x.reshape(dy.shape[0], -1).t() @ dy
+
+
+@pytest.mark.parametrize("soi", [False, True])
+def test_a_graph_shares_its_static_x_only_where_backward_never_reads_it(soi: bool) -> None:
+    """``_saves`` finds a saved tensor on x's storage through built-in nodes (a view of x saved
+    by a multiply) and custom functions (``save_for_backward``): a graph whose backward reads x
+    keeps a static x of its own. The FP8 linear saves x exactly when ``save_original_input`` is on
+    (the general path, which captures run; its columnwise FP8 copy otherwise)."""
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+    assert graphed._saves(x[:, :4] * w[:4, 0], x) and graphed._saves(_SavesX.apply(x * 1, w).relu(), w)
+    assert not graphed._saves((x + 1).sum(0) @ w, x) and graphed._saves((x + 1).sum(0) @ w, w)
+    assert graphed._saves(_SavesX.apply(x, w) + 1, x)
+    layer = mf.Linear(16, 32, save_original_input=soi, name="fc")
+    with mf.fp8_autocast(fp8_recipe=mf.recipe.PRESETS["current"]), graphed.as_captured():
+        y = layer(x)
+    assert graphed._saves(y, x) is soi

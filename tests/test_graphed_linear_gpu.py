@@ -191,9 +191,57 @@ def test_graphs_say_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
             y = layers[1](layers[0](x * 1.5)[..., :128].repeat(1, 4))
         y.float().sum().backward()
     held = dict(graphed.held_by_graphs())
-    floor = 2 * (256 * 512) * 2 + 2 * (256 * 384) * 2 + 2 * (384 * 512)  # x, dx; y, dy (BF16); weight (FP8, 2 copies)
+    floor = (256 * 512) * 2 + (256 * 384) * 2 + 2 * (384 * 512)  # dx, y (BF16); weight (FP8, 2 copies)
     assert sorted(held) == ["Linear(held)", "Linear(twin)"] and held["Linear(held)"] >= floor, (held, floor)
+    assert graphed.shared_by_graphs() == (256 * 512) * 2 + (256 * 384) * 2  # one static x, one static dy for both
     assert held["Linear(held)"] == held["Linear(twin)"], held  # the same buffers counted the same
     said = [str(w.message) for w in caught if "keep their buffers" in str(w.message)]
     assert len(said) == 1 and "Linear(held)" in said[0], said
     assert not [w for w in caught if "approximate" in str(w.message)]  # counted from the graphs' pools
+
+
+def test_layers_of_one_shape_share_static_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three layers of one shape in a chain, two steps of two micro-batches: their graphs copy x
+    and dy into one shared buffer each (the flag's layer, whose backward reads x, keeps its own
+    static x), the last layer runs on a side stream in each step's second micro-batch, and every
+    output and gradient is the eager path's bit for bit."""
+    from megatron_fp8.ops import graphed
+
+    results = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
+        torch.manual_seed(6)
+        layers = [mf.Linear(384, 384, bias=i == 2, params_dtype=torch.bfloat16, device="cuda",
+                            save_original_input=i == 1, name=f"chain{i}") for i in range(3)]
+        side = torch.cuda.Stream()
+        out: list[torch.Tensor] = []
+        for _step in range(2):
+            for micro in range(2):
+                x = torch.randn(256, 384, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                with mf.fp8_autocast(fp8_recipe=PRESETS["blockwise"]):
+                    first = micro == 0
+                    h = layers[1](layers[0](x * 1.5, is_first_microbatch=first).relu(), is_first_microbatch=first)
+                    if micro == 1:
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            y = layers[2](h, is_first_microbatch=False)
+                        torch.cuda.current_stream().wait_stream(side)
+                    else:
+                        y = layers[2](h, is_first_microbatch=True)
+                y.float().square().sum().backward()
+                out += [y.detach().clone(), x.grad.clone()]
+            with torch.no_grad():
+                for p in (p for layer in layers for p in layer.parameters()):
+                    out.append(p.grad.clone())
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        torch.cuda.synchronize()
+        results[graphs] = out
+        if graphs == "1":
+            made = [next(g for g in layer._quantizers["weight"].__dict__["_graphs"].values()
+                         if isinstance(g, graphed.LinearGraph)) for layer in layers]
+            xs, dys = [g.x_s.data_ptr() for g in made], {g.dy_s.data_ptr() for g in made}
+            assert xs[0] == xs[2] != xs[1] and len(dys) == 1, (xs, dys)
+            assert [len(g.shared) for g in made] == [2, 1, 2]
+    for i, (a, b) in enumerate(zip(results["0"], results["1"], strict=True)):
+        assert torch.equal(a, b), i

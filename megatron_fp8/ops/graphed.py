@@ -14,10 +14,12 @@ around it stays eager (Megatron-LM's own, unchanged).
 What a call does, graphed:
 
 =========  =====================================================================================
-forward    x -> the graph's static input (a copy); the FP8 weight -> the graph's static copy
+forward    x -> the graph's static input (a copy; one buffer for all graphs of x's signature
+           where backward does not read x); the FP8 weight -> the graph's static copy
            (only when the layer cast it anew: the first micro-batch of a step); replay; the
            output is an alias of the graph's static output
-backward   dy -> static (a copy); replay; dx / dw / db are aliases of the graph's static grads
+backward   dy -> static (a copy, into a buffer shared likewise); replay; dx / dw / db are
+           aliases of the graph's static grads
 =========  =====================================================================================
 
 Numbers: the captured calls are the layer's own (``ops.linear.linear``: the general path's
@@ -30,8 +32,9 @@ before the first one's backward (pipeline schedules) runs eagerly, with a warnin
 that stops a layer from being graphed warns once, naming the layer and why, and the layer runs
 eagerly.
 
-Memory: the graph keeps its buffers (static input, output, grads, what its backward reads)
-between calls, where the eager path frees them after backward. ``save_original_input`` saves
+Memory: the graph keeps its buffers (static output, grads, what its backward reads) between
+calls, where the eager path frees them after backward; its static x and dy are shared with every
+graph of their signature (``SharedInput``; not x where backward reads it). ``save_original_input`` saves
 the static copy of x (so the flag's saving is the columnwise FP8 copy of the static buffers, not
 memory shared with another module), and saved-tensor accounting (``megatron_fp8.memory``) sees
 none of a graphed layer's tensors. The layer's FP8 weight is held once: its micro-batch cache
@@ -128,6 +131,7 @@ class LinearGraph:
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
+        self.shared: list[SharedInput] = []  # the static input buffers it shares with other graphs (``_shared_input``)
         self.held = 0  # bytes it keeps allocated (static buffers, saved tensors, its FP8 weight copy)
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
@@ -172,6 +176,8 @@ class GraphedLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 w_fp8: QuantizedTensor, g: LinearGraph) -> torch.Tensor:
         assert g.x_s is not None and g.y_s is not None
+        if g.shared:
+            _take(g.shared, x.device)
         g.x_s.copy_(x)
         g.load_weight(w_fp8)
         g.fwd.replay()
@@ -185,6 +191,8 @@ class GraphedLinear(torch.autograd.Function):
         lease: _Lease = ctx.lease
         g = lease.graph
         assert g.dy_s is not None
+        if g.shared:
+            _take(g.shared, dy.device)
         g.dy_s.copy_(dy)
         g.bwd.replay()
         _replay_records(g.bwd_gemms)
@@ -249,6 +257,73 @@ def _static_input(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         x_s.copy_(x)
     return x_s.requires_grad_(x.requires_grad)
+
+
+class SharedInput:
+    """A static input buffer (x's or dy's) that every graph of one signature on a device replays
+    from: a graph reads its static x only in its forward's replay (where nothing saves x for
+    backward) and its static dy only in its backward's, so one buffer serves them all, replayed
+    one after another (16 dense-1b linears held 448 MiB of static x and 768 MiB of static dy, a
+    buffer each, run AW). The stream that last wrote it: a replay on another stream first waits
+    for that one's work (two streams in turn, e.g. an overlapped shared expert, never overlap
+    on the buffer)."""
+
+    __slots__ = ("buffer", "stream", "__weakref__")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        self.stream: int | None = None  # the raw CUDA stream of the last copy in
+
+    def view(self, like: torch.Tensor) -> torch.Tensor:
+        """A leaf of the graph's own on the buffer, needing a gradient where ``like`` does."""
+        return self.buffer.detach().requires_grad_(like.requires_grad)
+
+
+_shared: weakref.WeakValueDictionary[tuple[Any, ...], SharedInput] = weakref.WeakValueDictionary()
+
+
+def _shared_input(role: str, like: torch.Tensor) -> SharedInput:
+    """The live graphs' shared buffer for ``role`` ("x", "dy") and ``like``'s signature, made at
+    its first use (freed with the last graph that holds it)."""
+    key = (role, like.shape, like.stride(), like.dtype, like.device)
+    got = _shared.get(key)
+    if got is None:
+        got = _shared[key] = SharedInput(like)
+    return got
+
+
+def _take(shared: list[SharedInput], device: torch.device) -> None:
+    """Before a replay's copy into ``shared``: where another stream wrote one of them last, the
+    current stream waits for the work queued there (one check of the raw stream a replay)."""
+    raw = torch._C._cuda_getCurrentRawStream(device.index)
+    for sh in shared:
+        if sh.stream != raw:
+            if sh.stream is not None:
+                torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(sh.stream, device=device))
+            sh.stream = raw
+
+
+def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``y``'s autograd graph saved a tensor on ``x``'s storage for backward (a custom
+    function's ``saved_tensors``, a built-in node's ``_saved_*`` tensors)."""
+    storage = x.untyped_storage().data_ptr()
+    seen: set[int] = set()
+    nodes = [y.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        saved: list[Any] = []
+        if hasattr(node, "saved_tensors"):
+            saved += list(node.saved_tensors)
+        saved += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        for t in saved:
+            for u in t if isinstance(t, (tuple, list)) else (t,):
+                if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr() == storage:
+                    return True
+        nodes += [n for n, _ in node.next_functions]
+    return False
 
 
 def _static_copy(qt: QuantizedTensor) -> QuantizedTensor:
@@ -374,15 +449,26 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
             w, b = _aliases(weight, bias)
             y = run(x_s, g.w_s, w, b)
+            keeps_x = _saves(y, x_s)  # backward reads x (save_original_input): the input stays the graph's own
             torch.autograd.grad(y, inputs(w, b), y, allow_unused=True)
         del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
+    if not keeps_x:  # read by the forward's replay alone: one buffer for every graph of this signature
+        shared = _shared_input("x", x)
+        g.shared.append(shared)
+        x_s = shared.view(x)
+        with torch.no_grad():
+            x_s.copy_(x)  # on the caller's stream, as a replay's copy; the capture stream waits below
+        g.x_s = x_s
+        side.wait_stream(torch.cuda.current_stream())
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
     with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, stream=side,
                                                         capture_error_mode="thread_local"):
         w, b = _aliases(weight, bias)
         g.y_s = run(x_s, g.w_s, w, b)
-    g.dy_s = torch.empty_like(g.y_s)
+    dy_shared = _shared_input("dy", g.y_s)  # read by the backward's replay alone
+    g.shared.append(dy_shared)
+    g.dy_s = dy_shared.view(g.y_s)
     with _isolated() as bwd_gemms, torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
         grads = [next(got) if w else None for w in g.wants]
@@ -418,9 +504,10 @@ def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     if not any(seg["address"] <= y < seg["address"] + seg["total_size"] for seg in segments):
         return None  # the pool not found as expected: the caller falls back to its own count
     in_pool = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
+    shared = {sh.buffer.untyped_storage().data_ptr() for sh in g.shared}
     outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
-    return in_pool + sum(outside.values())
+    return in_pool + sum(n for ptr, n in outside.items() if ptr not in shared)
 
 
 def _pool_snapshot(pool: Any) -> list[dict[str, Any]]:
@@ -454,9 +541,14 @@ def _note_held(g: LinearGraph) -> None:
 
 def held_by_graphs() -> list[tuple[str, int]]:
     """``(layer, bytes)`` for every live per-layer graph, most first: what each keeps allocated
-    (``LinearGraph.held``: its pool's live blocks and its static buffers), until the layer is
-    freed."""
+    (``LinearGraph.held``: its pool's live blocks and its own static buffers), until the layer is
+    freed. The static inputs the graphs share are ``shared_by_graphs()``."""
     return sorted(((g.owner, g.held) for g in list(_live)), key=lambda t: -t[1])
+
+
+def shared_by_graphs() -> int:
+    """Bytes of the static input buffers the live graphs share (``SharedInput``), each once."""
+    return sum(sh.buffer.untyped_storage().nbytes() for sh in list(_shared.values()))
 
 
 def held_note(most: int = 3) -> str | None:
@@ -465,14 +557,15 @@ def held_note(most: int = 3) -> str | None:
     held = held_by_graphs()
     if not held:
         return None
-    total = sum(b for _, b in held)
+    shared = shared_by_graphs()
+    total = sum(b for _, b in held) + shared
     layers = len({owner for owner, _ in held})
     pairs = f" ({len(held)} graph pairs: one per input signature)" if len(held) != layers else ""
     top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
     reserved = sum(g.reserved for g in list(_live))
     return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {layers} FP8 linears{pairs} hold {total / 2**20:,.0f} MiB "
-            f"between steps (the most, MiB: {top}; the allocator reserved {reserved / 2**20:,.0f} MiB more over "
-            f"their captures); {ENV}=0 runs them eagerly without it")
+            f"between steps (the most, MiB: {top}; their shared static inputs {shared / 2**20:,.0f}; the allocator "
+            f"reserved {reserved / 2**20:,.0f} MiB more over their captures); {ENV}=0 runs them eagerly without it")
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,

@@ -118,7 +118,9 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool,
 
     def nbytes(ts: object) -> int:
         return sum(t.untyped_storage().nbytes() for t in ts if t is not None)  # type: ignore[union-attr]
-    got["graphs: static x, y, dy"] = sum(nbytes((g.x_s, g.y_s, g.dy_s)) for g in live) / MiB
+    statics = {t.untyped_storage().data_ptr(): t for g in live for t in (g.x_s, g.y_s, g.dy_s) if t is not None}
+    got["graphs: static x, y, dy"] = nbytes(statics.values()) / MiB  # each storage once: x and dy are shared
+    got["graphs: shared static x, dy"] = graphed.shared_by_graphs() / MiB
     got["graphs: static grads"] = sum(nbytes(g.grad_out) for g in live) / MiB
     got["graphs: static FP8 weights"] = sum(nbytes(g.w_s.tensors()) for g in live if g.w_s is not None) / MiB
     got["graph pairs"] = len(live)
