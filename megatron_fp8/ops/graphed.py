@@ -457,6 +457,7 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         shared = _shared_input("x", x)
         g.shared.append(shared)
         x_s = shared.view(x)
+        _take([shared], x.device)
         with torch.no_grad():
             x_s.copy_(x)  # on the caller's stream, as a replay's copy; the capture stream waits below
         g.x_s = x_s
