@@ -33,7 +33,7 @@ import yaml
 from torch import nn
 
 from .autocast import current_fp8_state
-from .memory import _is_parameter
+from .memory import _is_parameter, keeps_saved_tensors
 from .recipe import Float8BlockScaling, MXFP8BlockScaling, Recipe
 
 __all__ = ["audit", "AuditReport", "GPTShape", "LinearAudit", "RecomputeCandidate", "Recorder", "columnwise_copy_bytes",
@@ -226,6 +226,7 @@ class Recorder:
             self.norm_outputs.append((name, out))
             self.keep.append(out)
 
+    @keeps_saved_tensors
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if torch._C._current_graph_task_id() != -1:  # inside backward (a recompute): not the forward's
             return t

@@ -36,6 +36,14 @@ class SavedTensor:
     is_parameter: bool
 
 
+def keeps_saved_tensors(pack: Any) -> Any:
+    """Mark a saved-tensor pack hook of ours that hands autograd the tensor itself (it only
+    looks): a per-layer CUDA graph may capture under it (``ops.graphed``), not under another's
+    (activation checkpointing, offloading), whose saves a capture cannot hold."""
+    pack.keeps_saved_tensors = True
+    return pack
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter, a view of one (``F.linear`` saves ``weight.t()``), or an FP8 copy of one."""
     base = t._base if t._base is not None else t
@@ -114,6 +122,7 @@ def track_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensors
         if stack:
             stack.pop()
 
+    @keeps_saved_tensors
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t, stack[-1] if stack else "<no module>")
         return t

@@ -239,7 +239,7 @@ class _ReplayNothing:
         self.fwd_gemms: list = []
         self.bwd_gemms: list = []
         self.grad_out, self.fused, self.wants, self.lease = grads, fused, (True, True, False), None
-        self.shared: list = []
+        self.x_shared = self.dy_shared = None
 
     def load_weight(self, w_fp8: object) -> None:
         pass
@@ -330,7 +330,7 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     g = graphed.LinearGraph.__new__(graphed.LinearGraph)
     g.y_s, g.x_s, g.dy_s = torch.empty(8), torch.empty(4), torch.empty(2)
     g.w_s = type("W", (), {"tensors": lambda self: [g.x_s, torch.empty(3, dtype=torch.uint8)]})()
-    g.shared = []
+    g.x_shared = g.dy_shared = None
     y = g.y_s.untyped_storage().data_ptr()
 
     def segment(pool: tuple[int, int], address: int, *blocks: tuple[int, str]) -> dict:
@@ -353,7 +353,7 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # an older torch's signature
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
     dy = graphed.SharedInput(g.dy_s)  # a static dy shared with other graphs: counted once, by shared_by_graphs
-    g.shared, g.dy_s = [dy], dy.view(g.dy_s)
+    g.dy_shared, g.dy_s = dy, dy.buffer.detach()
     assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside - 8
 
 
@@ -418,3 +418,57 @@ def test_a_graph_shares_its_static_x_only_where_backward_never_reads_it(soi: boo
     with mf.fp8_autocast(fp8_recipe=mf.recipe.PRESETS["current"]), graphed.as_captured():
         y = layer(x)
     assert graphed._saves(y, x) is soi
+
+
+def test_a_replay_on_another_stream_waits_for_the_shared_buffers_last_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_take``: the first copy into a shared buffer and copies from the same stream wait for
+    nothing; a copy from another stream makes that stream wait for the last writer's (and the
+    buffer then belongs to it)."""
+    raw = [11]
+    waits: list[tuple[int, int]] = []
+
+    class Stream:
+        def __init__(self, ptr: int) -> None:
+            self.ptr = ptr
+
+        def wait_stream(self, other: Stream) -> None:
+            waits.append((self.ptr, other.ptr))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: raw[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(raw[0]))
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: Stream(ptr))
+    sh, device = graphed.SharedInput(torch.empty(4)), torch.device("cuda", 0)
+    graphed._take(sh, device)
+    graphed._take(sh, device)
+    assert waits == [] and sh.stream == 11
+    raw[0] = 22
+    graphed._take(sh, device)
+    assert waits == [(22, 11)] and sh.stream == 22
+    graphed._take(sh, device)
+    assert waits == [(22, 11)]
+
+
+def test_no_capture_under_anothers_saved_tensor_hooks() -> None:
+    """A capture saves through the active saved-tensor hooks: ours that only look (the memory
+    tracker, the audit) let it; non-reentrant checkpointing, offloading or any other hook do not
+    (the layer then runs eagerly, warned)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_fp8.audit import Recorder
+
+    seen: list[bool] = []
+
+    def look(t: torch.Tensor) -> torch.Tensor:
+        seen.append(graphed._foreign_saved_tensor_hooks())
+        return t * 1
+    x = torch.randn(3, requires_grad=True)
+    look(x)
+    with mf.memory.track_saved_tensors():
+        look(x)
+    with Recorder(torch.nn.Linear(2, 2)).recording():
+        look(x)
+    checkpoint(look, x, use_reentrant=False)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        look(x)
+    with torch.autograd.graph.save_on_cpu():
+        look(x)
+    assert seen == [False, False, False, True, True, True]

@@ -110,7 +110,17 @@ def _not_graphable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "its FP8 weight is a view of a grouped cast"
     if not (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return "nothing it computes needs a gradient"
+    if _foreign_saved_tensor_hooks():
+        return ("a saved-tensor hook is active (non-reentrant activation checkpointing or offloading): a capture "
+                "cannot save through it")
     return None
+
+
+def _foreign_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks other than ours that only look (``memory.keeps_saved_tensors``)
+    are active: a capture's saves would go through them (checkpointing drops them to recompute)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and not getattr(hooks[0], "keeps_saved_tensors", False)
 
 
 class LinearGraph:
@@ -131,7 +141,8 @@ class LinearGraph:
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
-        self.shared: list[SharedInput] = []  # the static input buffers it shares with other graphs (``_shared_input``)
+        self.x_shared: SharedInput | None = None  # the buffer of x_s where shared with other graphs (``_shared_input``)
+        self.dy_shared: SharedInput | None = None  # likewise dy_s's
         self.held = 0  # bytes it keeps allocated (static buffers, saved tensors, its FP8 weight copy)
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
 
@@ -176,8 +187,8 @@ class GraphedLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 w_fp8: QuantizedTensor, g: LinearGraph) -> torch.Tensor:
         assert g.x_s is not None and g.y_s is not None
-        if g.shared:
-            _take(g.shared, x.device)
+        if g.x_shared is not None:
+            _take(g.x_shared, x.device)
         g.x_s.copy_(x)
         g.load_weight(w_fp8)
         g.fwd.replay()
@@ -191,8 +202,8 @@ class GraphedLinear(torch.autograd.Function):
         lease: _Lease = ctx.lease
         g = lease.graph
         assert g.dy_s is not None
-        if g.shared:
-            _take(g.shared, dy.device)
+        if g.dy_shared is not None:
+            _take(g.dy_shared, dy.device)
         g.dy_s.copy_(dy)
         g.bwd.replay()
         _replay_records(g.bwd_gemms)
@@ -275,7 +286,8 @@ class SharedInput:
         self.stream: int | None = None  # the raw CUDA stream of the last copy in
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
-        """A leaf of the graph's own on the buffer, needing a gradient where ``like`` does."""
+        """A leaf of the graph's own on the buffer, needing a gradient where ``like`` does (a
+        static x, whose gradient the capture takes)."""
         return self.buffer.detach().requires_grad_(like.requires_grad)
 
 
@@ -292,15 +304,14 @@ def _shared_input(role: str, like: torch.Tensor) -> SharedInput:
     return got
 
 
-def _take(shared: list[SharedInput], device: torch.device) -> None:
-    """Before a replay's copy into ``shared``: where another stream wrote one of them last, the
-    current stream waits for the work queued there (one check of the raw stream a replay)."""
+def _take(sh: SharedInput, device: torch.device) -> None:
+    """Before a replay's copy into ``sh``: where another stream wrote it last, the current stream
+    waits for the work queued there (one check of the raw stream a replay)."""
     raw = torch._C._cuda_getCurrentRawStream(device.index)
-    for sh in shared:
-        if sh.stream != raw:
-            if sh.stream is not None:
-                torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(sh.stream, device=device))
-            sh.stream = raw
+    if sh.stream != raw:
+        if sh.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(sh.stream, device=device))
+        sh.stream = raw
 
 
 def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -454,22 +465,15 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
     if not keeps_x:  # read by the forward's replay alone: one buffer for every graph of this signature
-        shared = _shared_input("x", x)
-        g.shared.append(shared)
-        x_s = shared.view(x)
-        _take([shared], x.device)
-        with torch.no_grad():
-            x_s.copy_(x)  # on the caller's stream, as a replay's copy; the capture stream waits below
-        g.x_s = x_s
-        side.wait_stream(torch.cuda.current_stream())
+        g.x_shared = _shared_input("x", x)  # (the capture runs nothing: the first replay copies x in)
+        x_s = g.x_s = g.x_shared.view(x)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
     with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, stream=side,
                                                         capture_error_mode="thread_local"):
         w, b = _aliases(weight, bias)
         g.y_s = run(x_s, g.w_s, w, b)
-    dy_shared = _shared_input("dy", g.y_s)  # read by the backward's replay alone
-    g.shared.append(dy_shared)
-    g.dy_s = dy_shared.view(g.y_s)
+    g.dy_shared = _shared_input("dy", g.y_s)  # read by the backward's replay alone
+    g.dy_s = g.dy_shared.buffer.detach()  # needs no gradient (a copy into it under create_graph)
     with _isolated() as bwd_gemms, torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
         grads = [next(got) if w else None for w in g.wants]
@@ -493,8 +497,9 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
 
 def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     """What ``g`` keeps allocated between calls: the live blocks of its private pool (its static
-    output and gradients, what its backward reads) and its static input, output gradient and FP8
-    weight copy, made outside the pool. (Not ``memory_allocated`` before and after the capture:
+    output and gradients, what its backward reads) and, made outside the pool, its FP8 weight copy
+    and its static input and output gradient where it does not share them (``SharedInput``:
+    counted once, by ``shared_by_graphs``). (Not ``memory_allocated`` before and after the capture:
     blocks freed across streams stay counted until the allocator next looks at their events, so
     that difference moved by up to 1.2 GB between processes of one probe, run AW.) None where
     the snapshot shows no segment of ``pool`` holding the static output."""
@@ -505,7 +510,7 @@ def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
     if not any(seg["address"] <= y < seg["address"] + seg["total_size"] for seg in segments):
         return None  # the pool not found as expected: the caller falls back to its own count
     in_pool = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
-    shared = {sh.buffer.untyped_storage().data_ptr() for sh in g.shared}
+    shared = {sh.buffer.untyped_storage().data_ptr() for sh in (g.x_shared, g.dy_shared) if sh is not None}
     outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
     return in_pool + sum(n for ptr, n in outside.items() if ptr not in shared)
@@ -534,9 +539,10 @@ def _note_held(g: LinearGraph) -> None:
     _live.add(g)
     if first:
         warnings.warn(f"megatron_fp8: {g.owner}: {ENV}=1: each FP8 linear's CUDA graphs keep their buffers "
-                      f"allocated between steps (this one {g.held / 2**20:,.1f} MiB: static input, output and "
-                      "gradients, saved tensors, a copy of its FP8 weight), where the eager path frees them after "
-                      "backward; megatron_fp8.ops.graphed.held_by_graphs() lists them (said once per process)",
+                      f"allocated between steps (this one {g.held / 2**20:,.1f} MiB: static output and gradients, "
+                      "saved tensors, a copy of its FP8 weight, besides static inputs graphs share), where the "
+                      "eager path frees them after backward; megatron_fp8.ops.graphed.held_by_graphs() lists them "
+                      "(said once per process)",
                       RuntimeWarning, stacklevel=8)
 
 
