@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megatron_fp8 as mf
-from megatron_fp8.ops import graphed, paths
+from megatron_fp8.ops import graph_buffers, graphed, paths
 from megatron_fp8.recipe import PRESETS
 
 
@@ -182,30 +182,30 @@ def test_graph_memory_is_listed_and_said_once(monkeypatch: pytest.MonkeyPatch) -
     capture, summed in the plug-in's line; a freed layer's graph leaves the list."""
     import weakref
 
-    monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
-    monkeypatch.setattr(graphed, "_shared", weakref.WeakValueDictionary())
-    assert graphed.held_by_graphs() == [] and graphed.held_note() is None
+    monkeypatch.setattr(graph_buffers, "_live", weakref.WeakSet())
+    monkeypatch.setattr(graph_buffers, "_shared", weakref.WeakValueDictionary())
+    assert graph_buffers.held_by_graphs() == [] and graph_buffers.held_note() is None
     a, b = _Held("Linear(a)", 3 * 2**20), _Held("Linear(b)", 5 * 2**20)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graphed._note_held(a)  # type: ignore[arg-type]
-        graphed._note_held(b)  # type: ignore[arg-type]
+        graph_buffers.note_held(a)  # type: ignore[arg-type]
+        graph_buffers.note_held(b)  # type: ignore[arg-type]
     said = [str(w.message) for w in caught]
     assert len(said) == 1 and "Linear(a)" in said[0] and "3.0 MiB" in said[0] and "held_by_graphs()" in said[0], said
-    assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20), ("Linear(a)", 3 * 2**20)]
-    note = graphed.held_note()
+    assert graph_buffers.held_by_graphs() == [("Linear(b)", 5 * 2**20), ("Linear(a)", 3 * 2**20)]
+    note = graph_buffers.held_note()
     assert note is not None and "the CUDA graphs of 2 FP8 linears hold 8 MiB" in note, note
     assert note.index("Linear(b) 5") < note.index("Linear(a) 3") and "MEGATRON_FP8_GRAPHS=0" in note
     assert "the allocator reserved 16 MiB more over their captures" in note
     again = _Held("Linear(b)", 2**20)  # a second input signature of the same layer
-    graphed._note_held(again)  # type: ignore[arg-type]
-    assert "of 2 FP8 linears (3 graph pairs: one per input signature) hold 9 MiB" in (graphed.held_note() or "")
-    shared = graphed._shared_input("dy", torch.empty(2**18))  # 1 MiB of static dy the graphs share
-    assert "hold 10 MiB between steps" in (graphed.held_note() or "")
-    assert "their shared static inputs 1;" in (graphed.held_note() or "")
+    graph_buffers.note_held(again)  # type: ignore[arg-type]
+    assert "of 2 FP8 linears (3 graph pairs: one per input signature) hold 9 MiB" in (graph_buffers.held_note() or "")
+    shared = graph_buffers.shared_input("dy", torch.empty(2**18))  # 1 MiB of static dy the graphs share
+    assert "hold 10 MiB between steps" in (graph_buffers.held_note() or "")
+    assert "their shared static inputs 1;" in (graph_buffers.held_note() or "")
     del shared
     del a, again
-    assert graphed.held_by_graphs() == [("Linear(b)", 5 * 2**20)]
+    assert graph_buffers.held_by_graphs() == [("Linear(b)", 5 * 2**20)]
 
 
 def test_megatron_plugin_says_what_graphs_hold_after_the_first_forward(
@@ -217,9 +217,9 @@ def test_megatron_plugin_says_what_graphs_hold_after_the_first_forward(
     pytest.importorskip("megatron.core")
     from megatron_fp8.megatron import plugin
 
-    monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
+    monkeypatch.setattr(graph_buffers, "_live", weakref.WeakSet())
     kept = _Held("ColumnParallelLinear(decoder.layers.0.mlp.linear_fc1)", 7 * 2**20)
-    graphed._live.add(kept)  # type: ignore[arg-type]
+    graph_buffers._live.add(kept)  # type: ignore[arg-type]
     for setting, said in (("1", True), ("0", False)):
         monkeypatch.setenv("MEGATRON_FP8_GRAPHS", setting)
         root = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -346,15 +346,15 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
         return segments  # every pool's: the count filters them itself
     monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
     outside = 16 + 8 + 3  # x_s (also in the weight's list: once), dy_s, the weight's other tensor
-    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
-    assert graphed._held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
-    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments
+    assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
+    assert graph_buffers.held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
+    assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments
     assert asked[0] == {"mempool_id": (7, 0), "include_traces": False}  # asks for its pool, without traces
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # an older torch's signature
-    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
-    dy = graphed.SharedInput(g.dy_s)  # a static dy shared with other graphs: counted once, by shared_by_graphs
+    assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
+    dy = graph_buffers.SharedInput(g.dy_s)  # a static dy shared with other graphs: counted once, by shared_by_graphs
     g.dy_shared, g.dy_s = dy, dy.buffer.detach()
-    assert graphed._held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside - 8
+    assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside - 8
 
 
 def test_static_input_is_a_leaf_of_its_own() -> None:
@@ -375,20 +375,20 @@ def test_graphs_of_one_signature_share_their_static_inputs(monkeypatch: pytest.M
     import gc
     import weakref
 
-    monkeypatch.setattr(graphed, "_shared", weakref.WeakValueDictionary())
+    monkeypatch.setattr(graph_buffers, "_shared", weakref.WeakValueDictionary())
     x = torch.randn(6, 4, requires_grad=True)
-    a, b = graphed._shared_input("x", x), graphed._shared_input("x", torch.randn(6, 4))
+    a, b = graph_buffers.shared_input("x", x), graph_buffers.shared_input("x", torch.randn(6, 4))
     assert a is b and a.buffer.shape == (6, 4)
-    others = [graphed._shared_input("dy", x), graphed._shared_input("x", x.t()),
-              graphed._shared_input("x", x.double()), graphed._shared_input("x", torch.randn(6, 5))]
+    others = [graph_buffers.shared_input("dy", x), graph_buffers.shared_input("x", x.t()),
+              graph_buffers.shared_input("x", x.double()), graph_buffers.shared_input("x", torch.randn(6, 5))]
     assert len({id(o) for o in [a, *others]}) == 5 and others[1].buffer.stride() == x.t().stride()
-    assert graphed.shared_by_graphs() == 3 * 4 * 24 + 8 * 24 + 4 * 30  # x, dy, x.t(); double; 6x5
+    assert graph_buffers.shared_by_graphs() == 3 * 4 * 24 + 8 * 24 + 4 * 30  # x, dy, x.t(); double; 6x5
     leaf, other = a.view(x), a.view(torch.randn(6, 4))
     assert leaf.is_leaf and leaf.requires_grad and not other.requires_grad
     assert leaf.data_ptr() == other.data_ptr() == a.buffer.data_ptr()
     del a, b, others, leaf, other
     gc.collect()
-    assert graphed.shared_by_graphs() == 0 and not graphed._shared
+    assert graph_buffers.shared_by_graphs() == 0 and not graph_buffers._shared
 
 
 class _SavesX(torch.autograd.Function):
@@ -436,14 +436,14 @@ def test_a_replay_on_another_stream_waits_for_the_shared_buffers_last_writer(mon
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: raw[0], raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(raw[0]))
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: Stream(ptr))
-    sh, device = graphed.SharedInput(torch.empty(4)), torch.device("cuda", 0)
-    graphed._take(sh, device)
-    graphed._take(sh, device)
+    sh, device = graph_buffers.SharedInput(torch.empty(4)), torch.device("cuda", 0)
+    graph_buffers.take(sh, device)
+    graph_buffers.take(sh, device)
     assert waits == [] and sh.stream == 11
     raw[0] = 22
-    graphed._take(sh, device)
+    graph_buffers.take(sh, device)
     assert waits == [(22, 11)] and sh.stream == 22
-    graphed._take(sh, device)
+    graph_buffers.take(sh, device)
     assert waits == [(22, 11)]
 
 

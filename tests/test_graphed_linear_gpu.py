@@ -179,10 +179,10 @@ def test_graphs_say_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     alike; said once, naming the first layer."""
     import weakref
 
-    from megatron_fp8.ops import graphed
+    from megatron_fp8.ops import graph_buffers
 
-    monkeypatch.setattr(graphed, "_live", weakref.WeakSet())
-    monkeypatch.setattr(graphed, "_shared", weakref.WeakValueDictionary())  # not earlier tests' graphs' buffers
+    monkeypatch.setattr(graph_buffers, "_live", weakref.WeakSet())
+    monkeypatch.setattr(graph_buffers, "_shared", weakref.WeakValueDictionary())  # not earlier tests' graphs' buffers
     monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
     layers = [mf.Linear(512, 384, params_dtype=torch.bfloat16, device="cuda", name=name) for name in ("held", "twin")]
     x = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -191,10 +191,10 @@ def test_graphs_say_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
         with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
             y = layers[1](layers[0](x * 1.5)[..., :128].repeat(1, 4))
         y.float().sum().backward()
-    held = dict(graphed.held_by_graphs())
+    held = dict(graph_buffers.held_by_graphs())
     floor = (256 * 512) * 2 + (256 * 384) * 2 + 2 * (384 * 512)  # dx, y (BF16); weight (FP8, 2 copies)
     assert sorted(held) == ["Linear(held)", "Linear(twin)"] and held["Linear(held)"] >= floor, (held, floor)
-    assert graphed.shared_by_graphs() == (256 * 512) * 2 + (256 * 384) * 2  # one static x, one static dy for both
+    assert graph_buffers.shared_by_graphs() == (256 * 512) * 2 + (256 * 384) * 2  # one static x, one static dy for both
     assert held["Linear(held)"] == held["Linear(twin)"], held  # the same buffers counted the same
     said = [str(w.message) for w in caught if "keep their buffers" in str(w.message)]
     assert len(said) == 1 and "Linear(held)" in said[0], said

@@ -48,8 +48,9 @@ from torch import nn
 
 from ..config import FP8Config, apply_layer_flags, load_config
 from ..modules.base import FP8Module
-from ..ops.graphed import ENV as GRAPHS_ENV
-from ..ops.graphed import graphs_on, held_note, run_as_captured
+from ..ops.graph_buffers import ENV as GRAPHS_ENV
+from ..ops.graph_buffers import held_note
+from ..ops.graphed import graphs_on, run_as_captured
 from . import rope
 from .compat import patch_megatron, whole_iteration_graph
 from .compat import print0 as _print0

@@ -42,7 +42,7 @@ points at the graph's copy. Every capture warms up and captures on one side stre
 stream each, every stream kept its warm-up outputs and cuBLASLt workspace, and 16 dense-1b
 linears kept 8,582 MiB between steps against 3,746 MiB (run AW). Never silent about it: each
 capture counts what it keeps (``LinearGraph.held``: its pool's live blocks and its static
-buffers outside the pool; listed by ``held_by_graphs()``; what its pool reserved besides is
+buffers outside the pool; listed by ``graph_buffers.held_by_graphs()``; what its pool reserved besides is
 ``LinearGraph.reserved``), the first capture of a process warns once, and the Megatron plug-in
 prints the totals (``held_note``) after the model's first forward.
 """
@@ -50,7 +50,6 @@ prints the totals (``held_note``) after the model's first forward.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import traceback
 import warnings
@@ -64,8 +63,8 @@ import torch
 from .. import gemm as gemm_mod
 from ..quant.tensor import QuantizedTensor
 from . import paths, routes
+from .graph_buffers import ENV, SharedInput, count_held, note_held, shared_input, take
 
-ENV = "MEGATRON_FP8_GRAPHS"
 _MAX_SIGNATURES = 4  # graph pairs per layer (one per input shape); beyond, the layer runs eagerly
 _warned: set[tuple[str, str]] = set()
 
@@ -141,7 +140,7 @@ class LinearGraph:
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
         self.lease: _Lease | None = None  # set from a forward until its backward ran
-        self.x_shared: SharedInput | None = None  # the buffer of x_s where shared with other graphs (``_shared_input``)
+        self.x_shared: SharedInput | None = None  # x_s's buffer where shared with other graphs (graph_buffers)
         self.dy_shared: SharedInput | None = None  # likewise dy_s's
         self.held = 0  # bytes it keeps allocated (static buffers, saved tensors, its FP8 weight copy)
         self.reserved = 0  # bytes the caching allocator reserved more over its capture (its pool, warm-up caches)
@@ -188,7 +187,7 @@ class GraphedLinear(torch.autograd.Function):
                 w_fp8: QuantizedTensor, g: LinearGraph) -> torch.Tensor:
         assert g.x_s is not None and g.y_s is not None
         if g.x_shared is not None:
-            _take(g.x_shared, x.device)
+            take(g.x_shared, x.device)
         g.x_s.copy_(x)
         g.load_weight(w_fp8)
         g.fwd.replay()
@@ -203,7 +202,7 @@ class GraphedLinear(torch.autograd.Function):
         g = lease.graph
         assert g.dy_s is not None
         if g.dy_shared is not None:
-            _take(g.dy_shared, dy.device)
+            take(g.dy_shared, dy.device)
         g.dy_s.copy_(dy)
         g.bwd.replay()
         _replay_records(g.bwd_gemms)
@@ -268,50 +267,6 @@ def _static_input(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         x_s.copy_(x)
     return x_s.requires_grad_(x.requires_grad)
-
-
-class SharedInput:
-    """A static input buffer (x's or dy's) that every graph of one signature on a device replays
-    from: a graph reads its static x only in its forward's replay (where nothing saves x for
-    backward) and its static dy only in its backward's, so one buffer serves them all, replayed
-    one after another (16 dense-1b linears held 448 MiB of static x and 768 MiB of static dy, a
-    buffer each, run AW). The stream that last wrote it: a replay on another stream first waits
-    for that one's work (two streams in turn, e.g. an overlapped shared expert, never overlap
-    on the buffer)."""
-
-    __slots__ = ("buffer", "stream", "__weakref__")
-
-    def __init__(self, like: torch.Tensor) -> None:
-        self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
-        self.stream: int | None = None  # the raw CUDA stream of the last copy in
-
-    def view(self, like: torch.Tensor) -> torch.Tensor:
-        """A leaf of the graph's own on the buffer, needing a gradient where ``like`` does (a
-        static x, whose gradient the capture takes)."""
-        return self.buffer.detach().requires_grad_(like.requires_grad)
-
-
-_shared: weakref.WeakValueDictionary[tuple[Any, ...], SharedInput] = weakref.WeakValueDictionary()
-
-
-def _shared_input(role: str, like: torch.Tensor) -> SharedInput:
-    """The live graphs' shared buffer for ``role`` ("x", "dy") and ``like``'s signature, made at
-    its first use (freed with the last graph that holds it)."""
-    key = (role, like.shape, like.stride(), like.dtype, like.device)
-    got = _shared.get(key)
-    if got is None:
-        got = _shared[key] = SharedInput(like)
-    return got
-
-
-def _take(sh: SharedInput, device: torch.device) -> None:
-    """Before a replay's copy into ``sh``: where another stream wrote it last, the current stream
-    waits for the work queued there (one check of the raw stream a replay)."""
-    raw = torch._C._cuda_getCurrentRawStream(device.index)
-    if sh.stream != raw:
-        if sh.stream is not None:
-            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(sh.stream, device=device))
-        sh.stream = raw
 
 
 def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -465,14 +420,14 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
         del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
     if not keeps_x:  # read by the forward's replay alone: one buffer for every graph of this signature
-        g.x_shared = _shared_input("x", x)  # (the capture runs nothing: the first replay copies x in)
+        g.x_shared = shared_input("x", x)  # (the capture runs nothing: the first replay copies x in)
         x_s = g.x_s = g.x_shared.view(x)
     pool = torch.cuda.graph_pool_handle()  # this layer's own: no other graph reuses its buffers
     with _isolated() as fwd_gemms, torch.cuda.graph(g.fwd, pool=pool, stream=side,
                                                         capture_error_mode="thread_local"):
         w, b = _aliases(weight, bias)
         g.y_s = run(x_s, g.w_s, w, b)
-    g.dy_shared = _shared_input("dy", g.y_s)  # read by the backward's replay alone
+    g.dy_shared = shared_input("dy", g.y_s)  # read by the backward's replay alone
     g.dy_s = g.dy_shared.buffer.detach()  # needs no gradient (a copy into it under create_graph)
     with _isolated() as bwd_gemms, torch.cuda.graph(g.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
         got = iter(torch.autograd.grad(g.y_s, inputs(w, b), g.dy_s, retain_graph=True, allow_unused=True))
@@ -481,98 +436,10 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
-    held = _held_bytes(g, pool, x.device)
-    if held is None:
-        held = torch.cuda.memory_allocated(x.device) - before
-        if ("held", "approximate") not in _warned:
-            _warned.add(("held", "approximate"))
-            warnings.warn(f"megatron_fp8: {owner}: the allocator's snapshot showed no segment of its graph's memory "
-                          "pool holding the graph's output, so what graphs hold is counted as memory_allocated's rise "
-                          "over each capture (approximate; said once per process)", RuntimeWarning, stacklevel=7)
-    g.held = held
+    g.held = count_held(g, pool, x.device, before)
     g.reserved = torch.cuda.memory_reserved(x.device) - reserved
-    _note_held(g)
+    note_held(g)
     return g
-
-
-def _held_bytes(g: LinearGraph, pool: Any, device: torch.device) -> int | None:
-    """What ``g`` keeps allocated between calls: the live blocks of its private pool (its static
-    output and gradients, what its backward reads) and, made outside the pool, its FP8 weight copy
-    and its static input and output gradient where it does not share them (``SharedInput``:
-    counted once, by ``shared_by_graphs``). (Not ``memory_allocated`` before and after the capture:
-    blocks freed across streams stay counted until the allocator next looks at their events, so
-    that difference moved by up to 1.2 GB between processes of one probe, run AW.) None where
-    the snapshot shows no segment of ``pool`` holding the static output."""
-    segments = [seg for seg in _pool_snapshot(pool)
-                if seg.get("device") == device.index and tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
-    assert g.y_s is not None
-    y = g.y_s.untyped_storage().data_ptr()
-    if not any(seg["address"] <= y < seg["address"] + seg["total_size"] for seg in segments):
-        return None  # the pool not found as expected: the caller falls back to its own count
-    in_pool = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
-    shared = {sh.buffer.untyped_storage().data_ptr() for sh in (g.x_shared, g.dy_shared) if sh is not None}
-    outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-               for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
-    return in_pool + sum(n for ptr, n in outside.items() if ptr not in shared)
-
-
-def _pool_snapshot(pool: Any) -> list[dict[str, Any]]:
-    """The allocator's segments, as lean as this torch reads them: only ``pool``'s where
-    ``memory_snapshot`` takes ``mempool_id`` (torch >= 2.6), without the allocation history's
-    trace entries where it takes ``include_traces`` (newer); every segment otherwise. A capture
-    takes one, so a model's start-up does not pay a whole-allocator snapshot per linear."""
-    params = inspect.signature(torch.cuda.memory_snapshot).parameters
-    kwargs: dict[str, Any] = {}
-    if "mempool_id" in params:
-        kwargs["mempool_id"] = tuple(pool)
-    if "include_traces" in params:
-        kwargs["include_traces"] = False
-    return torch.cuda.memory_snapshot(**kwargs)
-
-
-_live: weakref.WeakSet[LinearGraph] = weakref.WeakSet()  # every captured graph still alive
-
-
-def _note_held(g: LinearGraph) -> None:
-    """Keep ``g`` for ``held_by_graphs``; say once per process that graphs hold memory."""
-    first = not _live
-    _live.add(g)
-    if first:
-        warnings.warn(f"megatron_fp8: {g.owner}: {ENV}=1: each FP8 linear's CUDA graphs keep their buffers "
-                      f"allocated between steps (this one {g.held / 2**20:,.1f} MiB: static output and gradients, "
-                      "saved tensors, a copy of its FP8 weight, besides static inputs graphs share), where the "
-                      "eager path frees them after backward; megatron_fp8.ops.graphed.held_by_graphs() lists them "
-                      "(said once per process)",
-                      RuntimeWarning, stacklevel=8)
-
-
-def held_by_graphs() -> list[tuple[str, int]]:
-    """``(layer, bytes)`` for every live per-layer graph, most first: what each keeps allocated
-    (``LinearGraph.held``: its pool's live blocks and its own static buffers), until the layer is
-    freed. The static inputs the graphs share are ``shared_by_graphs()``."""
-    return sorted(((g.owner, g.held) for g in list(_live)), key=lambda t: -t[1])
-
-
-def shared_by_graphs() -> int:
-    """Bytes of the static input buffers the live graphs share (``SharedInput``), each once."""
-    return sum(sh.buffer.untyped_storage().nbytes() for sh in list(_shared.values()))
-
-
-def held_note(most: int = 3) -> str | None:
-    """One line on what the live graphs hold (the Megatron plug-in prints it after the first
-    forward), or None where there are none."""
-    held = held_by_graphs()
-    if not held:
-        return None
-    shared = shared_by_graphs()
-    total = sum(b for _, b in held) + shared
-    layers = len({owner for owner, _ in held})
-    pairs = f" ({len(held)} graph pairs: one per input signature)" if len(held) != layers else ""
-    top = ", ".join(f"{owner} {b / 2**20:,.0f}" for owner, b in held[:most])
-    reserved = sum(g.reserved for g in list(_live))
-    return (f"megatron_fp8: {ENV}=1: the CUDA graphs of {layers} FP8 linears{pairs} hold {total / 2**20:,.0f} MiB "
-            f"between steps (the most, MiB: {top}; their shared static inputs {shared / 2**20:,.0f}; the allocator "
-            f"reserved {reserved / 2**20:,.0f} MiB more over their captures); {ENV}=0 runs them eagerly without it")
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,

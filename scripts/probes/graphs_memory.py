@@ -65,7 +65,7 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool,
     import torch.nn.functional as F
 
     import megatron_fp8 as mf
-    from megatron_fp8.ops import graphed
+    from megatron_fp8.ops import graph_buffers, graphed
     from megatron_fp8.recipe import PRESETS
 
     os.environ[graphed.ENV] = "1" if graphs else "0"
@@ -112,7 +112,7 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool,
         step()
         got[f"peak step {i + 1}"] = (torch.cuda.max_memory_allocated() - base) / MiB
     got["between steps"] = (torch.cuda.memory_allocated() - base) / MiB
-    live = list(graphed._live)
+    live = list(graph_buffers._live)
     got["graphs: held"] = sum(g.held for g in live) / MiB
     got["graphs: reserved over captures"] = sum(g.reserved for g in live) / MiB
 
@@ -120,7 +120,7 @@ def _one(recipe: str, graphs: bool, layers: int, tokens: int, stream_each: bool,
         return sum(t.untyped_storage().nbytes() for t in ts if t is not None)  # type: ignore[union-attr]
     statics = {t.untyped_storage().data_ptr(): t for g in live for t in (g.x_s, g.y_s, g.dy_s) if t is not None}
     got["graphs: static x, y, dy"] = nbytes(statics.values()) / MiB  # each storage once: x and dy are shared
-    got["graphs: shared static x, dy"] = graphed.shared_by_graphs() / MiB
+    got["graphs: shared static x, dy"] = graph_buffers.shared_by_graphs() / MiB
     got["graphs: static grads"] = sum(nbytes(g.grad_out) for g in live) / MiB
     got["graphs: static FP8 weights"] = sum(nbytes(g.w_s.tensors()) for g in live if g.w_s is not None) / MiB
     got["graph pairs"] = len(live)
