@@ -118,7 +118,10 @@ def _not_graphable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _foreign_saved_tensor_hooks() -> bool:
     """Whether saved-tensor hooks other than ours that only look (``memory.keeps_saved_tensors``)
     are active: a capture's saves would go through them (checkpointing drops them to recompute)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # a torch without this query (2.13 has it)
+        return False
     return hooks is not None and not getattr(hooks[0], "keeps_saved_tensors", False)
 
 
