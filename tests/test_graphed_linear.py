@@ -435,7 +435,6 @@ def test_a_replay_on_another_stream_waits_for_the_shared_buffers_last_writer(mon
             waits.append((self.ptr, other.ptr))
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: raw[0], raising=False)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(raw[0]))
-    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device=None: Stream(ptr))
     sh, device = graph_buffers.SharedInput(torch.empty(4)), torch.device("cuda", 0)
     graph_buffers.take(sh, device)
     graph_buffers.take(sh, device)

@@ -28,11 +28,12 @@ class SharedInput:
     for that one's work (two streams in turn, e.g. an overlapped shared expert, never overlap
     on the buffer)."""
 
-    __slots__ = ("buffer", "stream", "__weakref__")
+    __slots__ = ("buffer", "stream", "writer", "__weakref__")
 
     def __init__(self, like: torch.Tensor) -> None:
         self.buffer = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
-        self.stream: int | None = None  # the raw CUDA stream of the last copy in
+        self.stream: int | None = None  # the raw CUDA stream of the last copy in (compared per replay)
+        self.writer: torch.cuda.Stream | None = None  # that stream (waited for on a change)
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
         """A leaf of the graph's own on the buffer, needing a gradient where ``like`` does (a
@@ -58,9 +59,10 @@ def take(sh: SharedInput, device: torch.device) -> None:
     waits for the work queued there (one check of the raw stream a replay)."""
     raw = torch._C._cuda_getCurrentRawStream(device.index)
     if sh.stream != raw:
-        if sh.stream is not None:
-            torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(sh.stream, device=device))
-        sh.stream = raw
+        current = torch.cuda.current_stream(device)
+        if sh.writer is not None:
+            current.wait_stream(sh.writer)
+        sh.stream, sh.writer = raw, current
 
 
 def held_bytes(g: Any, pool: Any, device: torch.device) -> int | None:
