@@ -414,6 +414,9 @@ def test_a_graph_shares_its_static_x_only_where_backward_never_reads_it(soi: boo
     assert graphed._saves(x[:, :4] * w[:4, 0], x) and graphed._saves(_SavesX.apply(x * 1, w).relu(), w)
     assert not graphed._saves((x + 1).sum(0) @ w, x) and graphed._saves((x + 1).sum(0) @ w, w)
     assert graphed._saves(_SavesX.apply(x, w) + 1, x)
+    freed = (x + 1) * w[:, 0]
+    freed.sum().backward()  # its saves freed: unreadable, so assumed to hold x
+    assert graphed._saves(freed, torch.randn(2))
     layer = mf.Linear(16, 32, save_original_input=soi, name="fc")
     with mf.fp8_autocast(fp8_recipe=mf.recipe.PRESETS["current"]), graphed.as_captured():
         y = layer(x)

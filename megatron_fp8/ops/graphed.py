@@ -274,7 +274,8 @@ def _static_input(x: torch.Tensor) -> torch.Tensor:
 
 def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``y``'s autograd graph saved a tensor on ``x``'s storage for backward (a custom
-    function's ``saved_tensors``, a built-in node's ``_saved_*`` tensors)."""
+    function's ``saved_tensors``, a built-in node's ``_saved_*`` tensors); True where a node's
+    saves cannot be read."""
     storage = x.untyped_storage().data_ptr()
     seen: set[int] = set()
     nodes = [y.grad_fn]
@@ -283,10 +284,11 @@ def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        saved: list[Any] = []
-        if hasattr(node, "saved_tensors"):
-            saved += list(node.saved_tensors)
-        saved += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        try:
+            saved: list[Any] = list(node.saved_tensors) if hasattr(node, "saved_tensors") else []
+            saved += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        except RuntimeError:  # a save it cannot read back: assume x among them (x keeps a buffer of its own)
+            return True
         for t in saved:
             for u in t if isinstance(t, (tuple, list)) else (t,):
                 if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr() == storage:
