@@ -5,6 +5,7 @@ tests/test_graphed_linear_gpu.py.)"""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -345,12 +346,15 @@ def test_graph_memory_is_counted_from_its_pool_and_static_buffers(monkeypatch: p
         asked.append({"mempool_id": mempool_id, "include_traces": include_traces})
         return segments  # every pool's: the count filters them itself
     monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    # read once per process: a fresh cache for this test, which swaps the function
+    monkeypatch.setattr(graph_buffers, "_snapshot_takes", functools.cache(graph_buffers._snapshot_takes.__wrapped__))
     outside = 16 + 8 + 3  # x_s (also in the weight's list: once), dy_s, the weight's other tensor
     assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
     assert graph_buffers.held_bytes(g, (8, 0), torch.device("cuda", 0)) is None  # its pool does not hold y_s
     assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 1)) is None  # another device's segments
     assert asked[0] == {"mempool_id": (7, 0), "include_traces": False}  # asks for its pool, without traces
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # an older torch's signature
+    graph_buffers._snapshot_takes.cache_clear()
     assert graph_buffers.held_bytes(g, (7, 0), torch.device("cuda", 0)) == 512 + 2048 + outside
     dy = graph_buffers.SharedInput(g.dy_s)  # a static dy shared with other graphs: counted once, by shared_by_graphs
     g.dy_shared, g.dy_s = dy, dy.buffer.detach()

@@ -55,6 +55,13 @@ def _train(monkeypatch: pytest.MonkeyPatch, graphs: str, recipe: object, soi: bo
     return out, [(c.name, c.backend.value) for c in calls], dict(counts)
 
 
+def _graphs_of(layer: mf.Linear) -> list:
+    """The layer's captured graphs (``graph_for`` keeps them on its quantizers), one per input signature."""
+    from megatron_fp8.ops import graphed
+
+    return [g for g in layer._quantizers["weight"].__dict__["_graphs"].values() if isinstance(g, graphed.LinearGraph)]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("soi", [False, True])
 def test_graphed_equals_eager(monkeypatch: pytest.MonkeyPatch, recipe: str, soi: bool) -> None:
@@ -111,8 +118,6 @@ def test_two_signatures_share_the_cached_weight_across_steps(monkeypatch: pytest
     """Micro-batches of two token counts (two graphs of one layer), three steps with the weight
     updated in place between them: the layer's cached FP8 weight is pointed at one graph's copy,
     the other graph copies from it, and every output and gradient is the eager path's bit for bit."""
-    from megatron_fp8.ops import graphed
-
     results = {}
     for graphs in ("0", "1"):
         monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
@@ -130,9 +135,7 @@ def test_two_signatures_share_the_cached_weight_across_steps(monkeypatch: pytest
                 out.append(layer.weight.grad.clone())
                 if graphs == "1":
                     cached = layer._w_cache["weight"]
-                    graphs_of = layer._quantizers["weight"].__dict__["_graphs"].values()  # (graph_for keeps them)
-                    kept = {t.data_ptr() for g in graphs_of if isinstance(g, graphed.LinearGraph)
-                            for t in g.w_s.tensors()}
+                    kept = {t.data_ptr() for g in _graphs_of(layer) for t in g.w_s.tensors()}
                     assert len(kept) == 2 * len(cached.tensors())  # two graphs, a copy each
                     assert {t.data_ptr() for t in cached.tensors()} <= kept  # one copy: a graph's
                 with torch.no_grad():
@@ -206,8 +209,6 @@ def test_layers_of_one_shape_share_static_inputs(monkeypatch: pytest.MonkeyPatch
     and dy into one shared buffer each (the flag's layer, whose backward reads x, keeps its own
     static x), the last layer runs on a side stream in each step's second micro-batch, and every
     output and gradient is the eager path's bit for bit."""
-    from megatron_fp8.ops import graphed
-
     results = {}
     for graphs in ("0", "1"):
         monkeypatch.setenv("MEGATRON_FP8_GRAPHS", graphs)
@@ -239,8 +240,7 @@ def test_layers_of_one_shape_share_static_inputs(monkeypatch: pytest.MonkeyPatch
         torch.cuda.synchronize()
         results[graphs] = out
         if graphs == "1":
-            made = [next(g for g in layer._quantizers["weight"].__dict__["_graphs"].values()
-                         if isinstance(g, graphed.LinearGraph)) for layer in layers]
+            made = [_graphs_of(layer)[0] for layer in layers]
             xs, dys = [g.x_s.data_ptr() for g in made], {g.dy_s.data_ptr() for g in made}
             assert xs[0] == xs[2] != xs[1] and len(dys) == 1, (xs, dys)
             assert [g.x_shared is not None for g in made] == [True, False, True]

@@ -9,6 +9,7 @@ A graph here is an ``ops.graphed.LinearGraph``; this module reads its buffers (`
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -80,10 +81,10 @@ def held_bytes(g: Any, pool: Any, device: torch.device) -> int | None:
     if not any(seg["address"] <= y < seg["address"] + seg["total_size"] for seg in segments):
         return None  # the pool not found as expected: the caller falls back to its own count
     in_pool = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
-    shared = {sh.buffer.untyped_storage().data_ptr() for sh in (g.x_shared, g.dy_shared) if sh is not None}
-    outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-               for t in (g.x_s, g.dy_s, *(g.w_s.tensors() if g.w_s is not None else ())) if t is not None}
-    return in_pool + sum(n for ptr, n in outside.items() if ptr not in shared)
+    own = (g.x_s if g.x_shared is None else None, g.dy_s if g.dy_shared is None else None,
+           *(g.w_s.tensors() if g.w_s is not None else ()))
+    outside = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in own if t is not None}
+    return in_pool + sum(outside.values())
 
 
 def _pool_snapshot(pool: Any) -> list[dict[str, Any]]:
@@ -91,13 +92,19 @@ def _pool_snapshot(pool: Any) -> list[dict[str, Any]]:
     ``memory_snapshot`` takes ``mempool_id`` (torch >= 2.6), without the allocation history's
     trace entries where it takes ``include_traces`` (newer); every segment otherwise. A capture
     takes one, so a model's start-up does not pay a whole-allocator snapshot per linear."""
-    params = inspect.signature(torch.cuda.memory_snapshot).parameters
+    takes = _snapshot_takes()
     kwargs: dict[str, Any] = {}
-    if "mempool_id" in params:
+    if "mempool_id" in takes:
         kwargs["mempool_id"] = tuple(pool)
-    if "include_traces" in params:
+    if "include_traces" in takes:
         kwargs["include_traces"] = False
     return torch.cuda.memory_snapshot(**kwargs)
+
+
+@functools.cache
+def _snapshot_takes() -> frozenset[str]:
+    """The arguments this torch's ``memory_snapshot`` takes (read once)."""
+    return frozenset(inspect.signature(torch.cuda.memory_snapshot).parameters)
 
 
 _said_approximate: list[bool] = []  # the fallback count was said (once per process)

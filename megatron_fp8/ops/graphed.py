@@ -417,10 +417,11 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     side = _side_stream(x.device)
     side.wait_stream(torch.cuda.current_stream())
     with _isolated(), _scratch_main_grad(weight), as_captured(), torch.cuda.stream(side):
-        for _ in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
+        for warm_up in range(2):  # Triton compiles, NVRTC builds, cuBLAS handles and workspaces, caches
             w, b = _aliases(weight, bias)
             y = run(x_s, g.w_s, w, b)
-            keeps_x = _saves(y, x_s)  # backward reads x (save_original_input): the input stays the graph's own
+            if warm_up == 0:  # backward reads x (save_original_input): the input stays the graph's own
+                keeps_x = _saves(y, x_s)
             torch.autograd.grad(y, inputs(w, b), y, allow_unused=True)
         del y, w, b  # the warm-ups' outputs are not kept through the captures
     torch.cuda.current_stream().wait_stream(side)
