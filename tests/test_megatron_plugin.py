@@ -89,8 +89,10 @@ def test_yaml_flags_applied_and_logged_at_the_first_forward(report: dict) -> Non
 @pytest.mark.distributed
 @pytest.mark.megatron
 def test_layernorm_and_moe_act_recompute_match(report: dict) -> None:
+    # the loss and the last layer's MLP side bitwise; the rest within FP8 rounding steps in norm
+    # (tests/dist_workers/plugin_worker.py's docstring says why)
     assert report["counts"]["recompute"] > 4 * 2 * 20 * report["world"]
-    assert report["max_rel"]["recompute"] <= 1e-5
+    assert report["max_rel"]["recompute (norm)"] <= 2e-2
     assert report["failures"] == 0
 
 

@@ -16,13 +16,19 @@ Categories of the JSON report:
   first forward, rank 0's start-up summary names those modules, and (megatron-core's local
   attention hands ``linear_proj`` a fresh copy) rank 0 reports that the flag costs memory there.
 * ``recompute``: ``recompute_granularity="selective"`` with ``recompute_modules=["layernorm"]``
-  (dense) / ``["layernorm", "moe_act"]`` (MoE), per recipe: loss and the last layer's gradients
-  bitwise equal to recompute off, every other gradient within ``RECOMPUTE_RTOL``. Not all
-  bitwise, because of Megatron's layer, not the recompute: a layer's input feeds the norm
-  (whose torch decomposition uses it twice) and the residual, and with the norm checkpointed the
-  three gradient terms are summed in another order; megatron-core's own
-  ``CheckpointWithoutOutput`` does the same, and ours equals it bitwise (loss and every
-  gradient), FP8 off, where Megatron's runs without TE.
+  (dense) / ``["layernorm", "moe_act"]`` (MoE), per recipe: the loss, and the last layer's
+  gradients up to its pre-MLP norm (that norm's and the MLP's), bitwise equal to recompute off;
+  every other gradient within ``RECOMPUTE_FP8_RTOL`` in norm. Not all bitwise, because of
+  Megatron's layer, not the recompute: a layer's input feeds the norm (whose torch decomposition
+  uses it twice) and the residual, and with the norm checkpointed the three gradient terms are
+  summed in another order (megatron-core's own ``CheckpointWithoutOutput`` does the same, and
+  ours equals it bitwise, loss and every gradient, FP8 off, where Megatron's runs without TE).
+  That moves the last bits of the gradient entering the last layer's attention; whether it
+  moves any depends on the values, so on the machine's float kernels (an AMD EPYC with AVX2
+  showed it where the earlier CI machines had not); FP8 current scaling then turns a last-bit
+  change into a whole FP8 step wherever a value sits at a rounding boundary, so the earlier
+  layers' gradients differ by a few tenths of a percent in norm (0.37% at most on that machine).
+  A wrong recomputed tensor (stale, rescaled) moves them by O(1).
 * ``sp``: ``sequence_parallel=True`` at TP=2 (megatron-core's torch norms refuse it; the
   plug-in's ``norm.Norm`` takes it): norm parameters marked, loss and gradients (norms' summed
   over the TP group, as ``finalize_model_grads`` sums them) equal the model without it within
@@ -86,7 +92,8 @@ from megatron_fp8.modules.base import FP8Module  # noqa: E402
 
 LOSS_RTOL = 2e-3
 SP_RTOL = 1e-5  # sequence parallelism reorders float sums (reduce-scatter and all-gather for all-reduce)
-RECOMPUTE_RTOL = 1e-5  # max|g - g_ref| / max|g_ref|: float sums reordered, see the module docstring
+# |g - g_ref| / |g_ref| (Frobenius): float sums reordered, then FP8 rounding steps (module docstring)
+RECOMPUTE_FP8_RTOL = 2e-2
 VOCAB, SEQ, BATCH = 512, 64, 2
 RECIPES = (("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "hybrid"), ("mxfp8", "e4m3"))
 
@@ -195,15 +202,18 @@ def copy_weights(src: GPTModel, dst: GPTModel) -> None:
 
 
 def compare_recompute(ck: Checker, name: str, off: tuple, on: tuple, last: str) -> None:
-    """Recompute on vs off: the loss and the last layer's gradients bitwise, the rest close."""
+    """Recompute on vs off: the loss and the gradients the reordered sum cannot reach (the last
+    layer's pre-MLP norm and MLP: ``last``) bitwise, the rest close in norm (module docstring)."""
     (loss0, grads0, _, _), (loss1, grads1, _, _) = off, on
     ck.bitwise("recompute", f"{name} loss", loss1, loss0)
     ck.true("recompute", sorted(grads0) == sorted(grads1), f"{name}: different parameters got gradients")
+    exact = (f"{last}pre_mlp_layernorm.", f"{last}mlp.")
+    ck.true("recompute", any(n.startswith(exact) for n in grads0), f"{name}: no gradient under {exact}")
     for n, g in grads0.items():
-        if n.startswith(last):
+        if n.startswith(exact):
             ck.bitwise("recompute", f"{name} grad {n}", grads1.get(n), g)
         else:
-            ck.close("recompute", f"{name} grad {n}", grads1.get(n), g, RECOMPUTE_RTOL)
+            ck.close("recompute", f"{name} grad {n}", grads1.get(n), g, RECOMPUTE_FP8_RTOL, norm=True)
 
 
 def _interleaved(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[gemm.GemmCall], str]:
