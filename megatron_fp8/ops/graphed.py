@@ -1,7 +1,7 @@
 """Per-layer CUDA graphs for the eager FP8 linear: opt-in, ``MEGATRON_FP8_GRAPHS=1``; experimental
 (on the H100 the graphed GPU tests pass; in Megatron-LM's dense-1b loop the graphs were faster
-than eager in 5 of 6 same-round pairs, by 5-33%, and 13% slower in one, with 5.3 GB more memory
-since run AW's fixes: docs/benchmarks.md runs AV, AW).
+than eager in 8 of 11 same-round pairs, by 5-33%, and 2-13% slower in three, with 3.4 GB more
+memory since the static inputs are shared: docs/benchmarks.md runs AV, AW, AX).
 
 An eager FP8 linear pays ~0.6-0.9 ms of host time per forward+backward (its casts, GEMMs and
 autograd Python), more than its GPU work below hidden ~4096: the GPU idles (docs/benchmarks.md).
@@ -471,8 +471,8 @@ def _capture_tried_twice(run: Callable[..., torch.Tensor], x: torch.Tensor,
                          fused: bool) -> LinearGraph | None:
     """``_capture``, tried once more where it fails (a process's first capture failed once on the
     H100 and the second held, runs AI-AW; the second ran on the stream the failed capture left
-    current, as it does here: ``_new_graph`` restores the caller's afterwards). The cause found
-    since (``_static_input``, not yet run on a GPU) should leave the retry idle."""
+    current, as it does here: ``_new_graph`` restores the caller's afterwards). Since the cause
+    was found (``_static_input``) no capture failed (run AX, nine Megatron-LM processes)."""
     first = None
     for attempt in range(2):
         try:
