@@ -2,7 +2,10 @@
 
 A layer builds its quantizers when it first runs under a recipe and keeps them while the recipe
 stays the same (delayed scaling's history lives in them). ``get_extra_state`` /
-``set_extra_state`` carry that state through ``state_dict`` so a checkpoint restores it.
+``set_extra_state`` carry that state through ``state_dict`` so a checkpoint restores it. Loading
+replaces the layer's state whole (its quantizers and cached FP8 weights go; the loaded state waits
+for the next forward, which refuses it, naming both recipes, only where it holds delayed-scaling
+history for another recipe), so a checkpoint computes the same in a used layer as in a fresh one.
 
 ``is_first_microbatch`` is also an attribute, as on Megatron's Transformer Engine layers:
 Megatron's ``set_is_first_microbatch()`` sets it to True on every module that has it at the
@@ -34,6 +37,13 @@ _ROLE_WORDS = {TensorRole.INPUT: "input", TensorRole.WEIGHT: "weight", TensorRol
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A uint8 tensor's bytes without NumPy (which is not a dependency): FP8 extra state blobs."""
     return bytes(t.detach().cpu().reshape(-1).tolist())
+
+
+def _states(q: LinearQuantizers) -> dict[str, Any]:
+    """The saved state of a weight's three quantizers, its tensors on the CPU."""
+    return {role: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                   for k, v in getattr(q, role).state_dict().items()}
+            for role in ("input", "weight", "grad_output")}
 
 
 def default_init(w: torch.Tensor) -> None:
@@ -142,35 +152,57 @@ class FP8Module(nn.Module):
     def get_extra_state(self) -> torch.Tensor:
         pending = self._pending_state or {}
         quantizers = dict(pending.get("quantizers", {}))  # loaded, not yet claimed by a forward
-        quantizers.update({
-            key: {role: getattr(q, role).state_dict() for role in ("input", "weight", "grad_output")}
-            for key, q in self._quantizers.items()
-        })
-        recipe = self._fp8_recipe.describe() if self._fp8_recipe is not None else pending.get("recipe")
-        state = {"recipe": recipe, "quantizers": quantizers}
+        recipe = pending.get("recipe")
+        current = self._fp8_recipe.describe() if self._fp8_recipe is not None else None
+        if quantizers and current is not None and current != recipe:
+            # the loaded state waits for its own recipe (a forward under this one refused it): it
+            # stays under its own label; state this recipe made since is not the checkpoint's
+            if any(entry for q in self._quantizers.values() for entry in _states(q).values()):
+                warnings.warn(f"{self._fp8_owner()}: the FP8 state loaded for {recipe} is still unclaimed, so "
+                              f"get_extra_state saves it and leaves out the state made since under {current}",
+                              RuntimeWarning, stacklevel=2)
+        else:
+            quantizers.update({key: _states(q) for key, q in self._quantizers.items()})
+            recipe = current if current is not None else recipe
         buf = io.BytesIO()
-        torch.save(state, buf)
+        torch.save({"recipe": recipe, "quantizers": quantizers}, buf)
         return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
-            return
+        """Load the FP8 state ``get_extra_state`` wrote, replacing the layer's own: the quantizers
+        made so far and the cached FP8 weights go, and the next forward restores the loaded state
+        (or refuses it there, naming both recipes, when it runs under another recipe and the state
+        holds any: only delayed scaling keeps some). A checkpoint without FP8 state (None, an empty
+        tensor: ``nn.Linear``'s, megatron-core's own layers', one saved before any FP8 step) leaves
+        the layer as a fresh one is. The blob is read onto the CPU (a GPU checkpoint loads on a
+        machine without one); the quantizers move it to their device."""
+        if state is not None and not (isinstance(state, torch.Tensor) and state.numel() == 0):
+            state = self._read_state(state)
+        else:
+            state = None
+        self._quantizers, self._w_cache, self._fp8_recipe = {}, {}, None
+        self._pending_state = state
+
+    def _read_state(self, state: Any) -> dict[str, Any] | None:
+        """The checked contents of an extra-state blob, without the quantizers that keep no state
+        (None where none keeps any); a ValueError naming the layer and key where it is not ours."""
         where = f"{self._fp8_owner()}: state_dict key {self._extra_state_key!r}"
         if isinstance(state, torch.Tensor):
             try:
-                state = torch.load(io.BytesIO(tensor_bytes(state)), weights_only=True)
+                state = torch.load(io.BytesIO(tensor_bytes(state)), weights_only=True, map_location="cpu")
             except Exception as e:
                 raise ValueError(f"{where} is not megatron_fp8 FP8 state ({type(e).__name__}: {e})") from None
         if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):
             raise ValueError(f"{where}: unrecognised FP8 extra state {type(state).__name__}; expected the dict "
                              f"that get_extra_state writes")
+        kept = {}
         for key, roles in state["quantizers"].items():
             for role, entry in roles.items():
                 if entry:  # per-tensor delayed scaling's history and scale (other recipes keep none)
                     check_delayed_state(entry, f"{where}, quantizer {key}:{role}")
-        self._pending_state = state
-        for key, q in self._quantizers.items():
-            self._restore_pending(key, q)
+            if any(roles.values()):
+                kept[key] = roles
+        return {**state, "quantizers": kept} if kept else None
 
     def _fp8_owner(self) -> str:
         layer = getattr(self, "name", None)
@@ -192,6 +224,12 @@ class FP8Module(nn.Module):
             for t in (q.input, q.weight, q.grad_output):
                 if t.name.startswith(old):
                     t.name = new + t.name[len(old):]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``...): the cached FP8 weights
+        were cast from the parameters before the move, so they go."""
+        self._w_cache = {}
+        return super()._apply(fn, recurse)
 
     def _restore_pending(self, key: str, q: LinearQuantizers) -> None:
         """Load saved quantizer state once a quantizer of the same recipe exists."""

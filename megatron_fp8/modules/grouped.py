@@ -98,9 +98,9 @@ class ExpertParams:
     ) -> tuple[list[LinearQuantizers] | None, list[QuantizedTensor] | Segments | None]:
         """Per-expert quantizers and FP8 weights under the active recipe, or ``(None, None)``."""
         qs = [self.fp8_quantizers(f"weight{i}") for i in range(self.num_gemms)]  # type: ignore[attr-defined]
-        is_first_microbatch = self.microbatch_flag(is_first_microbatch)  # type: ignore[attr-defined]
-        if qs[0] is None:
+        if qs[0] is None:  # (Megatron's flag stays for the first forward that casts the weights)
             return None, None
+        is_first_microbatch = self.microbatch_flag(is_first_microbatch)  # type: ignore[attr-defined]
         for q in qs:
             self._prepare_quantizers(q)
         return qs, self._fp8_weights(qs, is_first_microbatch)  # type: ignore[arg-type]

@@ -54,8 +54,8 @@ class Linear(FP8Module):
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         q = self.fp8_quantizers("weight")
-        first = self.microbatch_flag(is_first_microbatch)
-        w_fp8 = self.fp8_weight("weight", q, first) if q is not None else None
+        # (with FP8 off Megatron's flag stays for the first forward that casts the weight)
+        w_fp8 = self.fp8_weight("weight", q, self.microbatch_flag(is_first_microbatch)) if q is not None else None
         y = linear(
             x, self.weight, None if self.skip_bias_add else self.bias,
             w_fp8=w_fp8, quantizers=q, save_original_input=self.save_original_input,

@@ -158,9 +158,9 @@ class ParallelLinearBase(FP8Module):
             # not an attribute: nn.Module would register the caller's tensor as our parameter
             self.__dict__["_external_weight"], key = weight, "_external_weight"
         q = self.fp8_quantizers(key)
-        is_first_microbatch = self.microbatch_flag(is_first_microbatch)
-        if q is None:
+        if q is None:  # (Megatron's flag stays for the first forward that casts the weight)
             return None, None
+        is_first_microbatch = self.microbatch_flag(is_first_microbatch)
         self._set_amax_groups(q)
         assert self._fp8_recipe is not None
         warn_if_emulated(q, self._fp8_recipe, weight.device, self._owner)

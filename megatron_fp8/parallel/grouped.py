@@ -82,7 +82,7 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
                 b.sequence_parallel = self.config_sequence_parallel  # type: ignore[attr-defined]
             self.register_parameter(f"bias{i}", b)
         self.pack_weights()
-        self._register_load_state_dict_pre_hook(_merge_expert_extra_states)
+        self.register_load_state_dict_pre_hook(_merge_expert_extra_states)
 
     def _local_shape(self) -> tuple[int, int]:
         """``weight{i}``'s local shard: ``[N/tp, K]`` (column) or ``[N, K/tp]`` (row)."""
@@ -153,28 +153,42 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
                 f"save_original_input={self.save_original_input})")
 
 
-def _merge_expert_extra_states(state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+def _merge_expert_extra_states(module: _ParallelGroupedLinear, state_dict: dict[str, Any], prefix: str,
+                               *args: Any) -> None:
     """Fold per-expert ``_extra_state{i}`` entries (from ``sharded_state_dict``) into the single
-    ``_extra_state`` blob that ``FP8Module.set_extra_state`` reads."""
-    keys = [k for k in state_dict if k.startswith(f"{prefix}_extra_state") and k != f"{prefix}_extra_state"]
-    if not keys:
-        return
+    ``_extra_state`` blob that ``FP8Module.set_extra_state`` reads. The slot decides the local
+    expert: a checkpoint saved with another expert-parallel layout carries, in slot i, the blob of
+    another local index, so each is keyed anew by its slot (a one-expert layer's slot 0 too)."""
+    base = f"{prefix}_extra_state"
+    keys = [k for k in state_dict if k.startswith(base) and k != base]
+    if not keys and module.num_gemms != 1:
+        return  # the whole layer's own blob (state_dict), every expert under its own key
     merged: dict[str, Any] | None = None
-    for k in [f"{prefix}_extra_state", *keys]:
+    for k in [base, *keys]:
         blob = state_dict.pop(k, None)
-        if isinstance(blob, torch.Tensor) and blob.numel():
-            part = torch.load(io.BytesIO(tensor_bytes(blob)), weights_only=True)
-            # The slot decides the local expert: a checkpoint saved with another expert-parallel
-            # layout carries the blob of a different local index, so re-key by slot.
-            slot = k[len(f"{prefix}_extra_state"):] or "0"
-            part["quantizers"] = {f"weight{slot}": v for v in part["quantizers"].values()}
-            if merged is None:
-                merged = part
-            else:
-                merged["quantizers"].update(part["quantizers"])
+        if not (isinstance(blob, torch.Tensor) and blob.numel()):
+            continue  # no FP8 state (megatron-core's None, Transformer Engine's empty tensor without FP8)
+        try:
+            part = torch.load(io.BytesIO(tensor_bytes(blob)), weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise ValueError(f"{module._owner}: state_dict key {k!r} is not megatron_fp8 FP8 state "
+                             f"({type(e).__name__}: {e})") from None
+        quantizers = part.get("quantizers") if isinstance(part, dict) else None
+        if not isinstance(quantizers, dict) or len(quantizers) > 1:
+            raise ValueError(f"{module._owner}: state_dict key {k!r} is not one expert's FP8 state (expected the "
+                             f"dict that sharded_state_dict writes, with at most one expert)")
+        slot = k[len(base):] or "0"
+        part["quantizers"] = {f"weight{slot}": v for v in quantizers.values()}
+        if merged is None:
+            merged = part
+        else:
+            merged["quantizers"].update(part["quantizers"])
+    if merged is None:
+        state_dict[base] = None
+        return
     buf = io.BytesIO()
     torch.save(merged, buf)
-    state_dict[f"{prefix}_extra_state"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    state_dict[base] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 class ColumnParallelGroupedLinear(_ParallelGroupedLinear):
