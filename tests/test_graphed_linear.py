@@ -240,7 +240,8 @@ class _ReplayNothing:
         self.fwd_gemms: list = []
         self.bwd_gemms: list = []
         self.grad_out, self.fused, self.wants, self.lease = grads, fused, (True, True, False), None
-        self.x_shared = self.dy_shared = None
+        self.x_shared = self.dy_shared = self.out = None
+        self.epoch = 0
 
     def load_weight(self, w_fp8: object) -> None:
         pass

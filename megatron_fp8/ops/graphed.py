@@ -28,7 +28,14 @@ capture routes), so outputs and gradients are meant to be those of the eager pat
 gradients on, no tensor-parallel communication (``comm``), stateless recipes (current scaling,
 1x128 / 128x128 blocks); delayed scaling updates Python-side state per step and stays eager.
 One graph pair serves one micro-batch at a time: a second forward of the same layer and shape
-before the first one's backward (pipeline schedules) runs eagerly, with a warning. Anything else
+before the first one's backward (pipeline schedules) runs eagerly, with a warning (a forward
+whose autograd graph went without a backward frees the graph). What a replay overwrites stays
+safe: an earlier call's output still alive at the next call keeps its values (the last output
+itself alone, a loop's variable, gets a copy of its own; views of it kept past the backward make
+the call run eagerly, warned), a leaf reached through a view gets a copy of the static dx as its
+``.grad``, and a backward through a forward whose graph a later forward replayed again
+(``retain_graph=True``) raises. Saved-tensor hooks active at a call (checkpointing, offloading)
+run it eagerly, warned, as they stop a capture. Anything else
 that stops a layer from being graphed warns once, naming the layer and why, and the layer runs
 eagerly.
 
@@ -142,7 +149,10 @@ class LinearGraph:
         self.fused = False  # the wgrad is added into weight.main_grad (Megatron's fusion)
         self.fwd_gemms: list[gemm_mod.GemmCall] = []
         self.bwd_gemms: list[gemm_mod.GemmCall] = []
-        self.lease: _Lease | None = None  # set from a forward until its backward ran
+        self.lease: weakref.ref[_Lease] | None = None  # set from a forward until its backward ran or its graph went
+        self.epoch = 0  # forwards replayed: a backward after another forward's replay is refused
+        self.y_uses = 0  # the static output's storage use count with no output of it alive (_uses)
+        self.out: weakref.ref[torch.Tensor] | None = None  # the output the last forward returned
         self.x_shared: SharedInput | None = None  # x_s's buffer where shared with other graphs (graph_buffers)
         self.dy_shared: SharedInput | None = None  # likewise dy_s's
         self.held = 0  # bytes it keeps allocated (static buffers, saved tensors, its FP8 weight copy)
@@ -166,16 +176,19 @@ class LinearGraph:
 
 class _Lease:
     """Holds a graph from a forward until its backward ran or its autograd graph is gone (the
-    graph's buffers hold that micro-batch's activations)."""
+    graph's buffers hold that micro-batch's activations). The graph keeps a weak reference: a
+    forward whose backward never comes (its output dropped, an evaluation with gradients on)
+    frees the graph when its autograd graph goes."""
 
-    __slots__ = ("graph",)
+    __slots__ = ("graph", "__weakref__")
 
     def __init__(self, graph: LinearGraph) -> None:
         self.graph = graph
-        graph.lease = self
+        graph.lease = weakref.ref(self)
 
     def release(self) -> None:
-        if self.graph.lease is self:  # not a later forward's
+        lease = self.graph.lease
+        if lease is not None and lease() is self:  # not a later forward's
             self.graph.lease = None
 
     def __del__(self) -> None:
@@ -196,14 +209,24 @@ class GraphedLinear(torch.autograd.Function):
         g.fwd.replay()
         _replay_records(g.fwd_gemms)
         paths.note("graphed linear")
-        ctx.lease, ctx.weight = _Lease(g), weight
-        return g.y_s.detach()
+        g.epoch += 1
+        ctx.lease, ctx.weight, ctx.epoch = _Lease(g), weight, g.epoch
+        # x a view of a leaf: the view's backward hands the leaf a fresh view of the static dx,
+        # which autograd would adopt as its .grad (the next replay would overwrite it): a copy
+        ctx.copy_dx = x._base is not None and x._base.requires_grad and x._base.grad_fn is None
+        out = g.y_s.detach()
+        g.out = weakref.ref(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lease: _Lease = ctx.lease
         g = lease.graph
         assert g.dy_s is not None
+        if ctx.epoch != g.epoch:  # (retain_graph=True, then another forward replayed over its activations)
+            raise RuntimeError(f"megatron_fp8: {g.owner}: a backward through a CUDA-graphed forward after a later "
+                               f"forward replayed the same graph (its buffers hold the later micro-batch now); "
+                               f"with retain_graph=True run the backwards before the next forward, or set {ENV}=0")
         if g.dy_shared is not None:
             take(g.dy_shared, dy.device)
         g.dy_s.copy_(dy)
@@ -211,6 +234,8 @@ class GraphedLinear(torch.autograd.Function):
         _replay_records(g.bwd_gemms)
         lease.release()
         dx, dw, db = g.grad_out
+        if dx is not None and ctx.copy_dx:
+            dx = dx.clone()
         if g.fused and g.wants[1] and hasattr(ctx.weight, "grad_added_to_main_grad"):
             from .linear import added_to_main_grad  # (ops.linear imports this module)
 
@@ -442,10 +467,38 @@ def _capture_now(run: Callable[..., torch.Tensor], x: torch.Tensor,
     # one as a leaf's .grad or an accumulation buffer (it copies), so no replay overwrites a gradient
     g.grad_out = tuple(t.detach() if t is not None else None for t in grads)
     g.fwd_gemms, g.bwd_gemms = list(fwd_gemms), list(bwd_gemms)
+    _drop_quantizers(g.y_s)
+    g.y_uses = _uses(g.y_s)
     g.held = count_held(g, pool, x.device, before)
     g.reserved = torch.cuda.memory_reserved(x.device) - reserved
     note_held(g)
     return g
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (torch's count of references to it), or 0 where
+    this torch cannot say."""
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except (AttributeError, RuntimeError, TypeError):
+        return 0
+
+
+def _drop_quantizers(y: torch.Tensor) -> None:
+    """Clear the layer's quantizers from the autograd nodes of the captured call, which the graph
+    keeps (through its static output) only for the tensors they saved: the quantizers keep the
+    graph (``graph_for``), so otherwise only Python's cyclic collector, which Megatron-LM's
+    ``--manual-gc`` runs rarely, would free a dropped layer's graphs and their pool."""
+    seen: set[int] = set()
+    stack = [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "quantizers", None) is not None:
+            node.quantizers = None
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
@@ -482,6 +535,7 @@ def _capture_tried_twice(run: Callable[..., torch.Tensor], x: torch.Tensor,
         except Exception as exc:  # noqa: BLE001 - a call the graph cannot hold: eager from now on
             inner = exc.__context__
             if isinstance(inner, torch.OutOfMemoryError) or (inner is not None and not isinstance(inner, Exception)):
+                _recover_rng()  # (a caller that goes on after it draws random numbers again)
                 raise inner from exc  # out of memory, or an interrupt, inside the capture: not the capture's fault
             said = _failure(exc) if first is None else f"{first}; then {_failure(exc)}"
             if not _recover_rng():
@@ -553,8 +607,31 @@ def graph_for(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.T
                                      sum(v is not None for v in graphs.values()))
     if g is None:
         return None
-    if g.lease is not None:
+    if g.lease is not None and g.lease() is not None:
         _warn_once(g.owner, "a second micro-batch's forward came before the first one's backward (its graph "
                    "holds one micro-batch)")
         return None
+    if _foreign_saved_tensor_hooks():
+        _warn_once(g.owner, "a saved-tensor hook is active (non-reentrant activation checkpointing or offloading): "
+                   "a replay cannot save through it")
+        return None
+    if g.y_uses and not _outputs_released(g):
+        _warn_once(g.owner, "an earlier call's output is still alive through views of it (e.g. y.detach() kept past "
+                   "its backward), which a replay would overwrite; clone what you keep")
+        return None
     return g
+
+
+def _outputs_released(g: LinearGraph) -> bool:
+    """Whether no tensor of an earlier call still shares the static output, which the next replay
+    overwrites. The last output itself alone (a loop's variable that its next call reassigns)
+    is given a copy of its own values, one copy; any other tensor on it (``y.detach()`` kept)
+    makes the call run eagerly."""
+    uses = _uses(g.y_s)
+    if uses <= g.y_uses:
+        return True
+    last = g.out() if g.out is not None else None
+    if last is None or uses != g.y_uses + 1:
+        return False
+    last.data = last.data.clone()
+    return True
