@@ -247,3 +247,46 @@ def test_layers_of_one_shape_share_static_inputs(monkeypatch: pytest.MonkeyPatch
             assert all(g.dy_shared is not None and not g.dy_s.requires_grad for g in made)
     for i, (a, b) in enumerate(zip(results["0"], results["1"], strict=True)):
         assert torch.equal(a, b), i
+
+
+def test_real_graphs_keep_kept_outputs_free_dropped_forwards_and_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On real graphs: a forward without backward frees its graph; views of an output kept past
+    its backward keep their values (later calls run eagerly, warned); a dropped layer's graphs
+    go by reference counting alone (the captured nodes let go of the quantizers)."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("MEGATRON_FP8_GRAPHS", "1")
+    torch.manual_seed(3)
+    layer = mf.Linear(512, 384, bias=False, params_dtype=torch.bfloat16, device="cuda", name="keep")
+
+    def call(lay: mf.Linear, x: torch.Tensor) -> torch.Tensor:
+        with mf.fp8_autocast(fp8_recipe=PRESETS["current"]):
+            return lay(x * 1.5)
+
+    kept, copies = [], []
+    with paths.count_paths() as counts, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = call(layer, torch.randn(256, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True))
+        del y  # no backward: the graph is free again
+        for _ in range(3):
+            y = call(layer, torch.randn(256, 512, dtype=torch.bfloat16, device="cuda", requires_grad=True))
+            y.backward(torch.randn_like(y))
+            kept.append(y.detach())
+            copies.append(y.detach().clone())
+            del y
+    torch.cuda.synchronize()
+    assert all(torch.equal(k, c) for k, c in zip(kept, copies, strict=True))
+    assert counts.get("graphed linear") == 2, counts
+    assert not [w for w in caught if "second micro-batch" in str(w.message)]
+    assert [w for w in caught if "clone what you keep" in str(w.message)]
+    del kept, copies
+    graph = next(g for g in layer._quantizers["weight"].__dict__["_graphs"].values() if g is not None)
+    ref = weakref.ref(graph)
+    del graph
+    gc.disable()
+    try:
+        del layer
+        assert ref() is None
+    finally:
+        gc.enable()
