@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMM and Linear benchmarks; logs and tables under $OUT.
-# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|graphsab|graphsmem|hostnative|megatron]...
+# Usage (from the repo root on the device): bash scripts/device_run.sh [tests|rope|lean|host|hostwhy|hostfloor|hostexcess|linearab|groupedab|hostab|persistent|graphs|gemm|linear|grouped|grouped-ws0|casts|variants|cudacast|streams|ltalgos|gluonwgrad|cutlass|steps|probe|tgemm|trace|slowiter|fullgraph|moefused|graphsab|graphsmem|hostnative|review|megatron]...
 # Carry nvidia_cutlass-*.whl in .whl for the cutlass step.
 # CAST_ARGS, LINEAR_ARGS, GROUPED_ARGS, LT_ARGS, GW_ARGS pass options to profile_casts.py, bench_linear.py, bench_grouped.py, probe_cublaslt_algos.py, probe_gluon_wgrad.py. Carry .whl (torchao for the Linear benchmark's peer) with the call.
 set -uo pipefail
@@ -154,6 +154,9 @@ for what in "${steps[@]}"; do
         --timeout 60 --out "$OUT/graphsmem" 2>&1 | grep -v "^ " | tee "$OUT/bench_graphsmem.txt"
       grep -h "capture failed\|graphs of" "$OUT"/graphsmem/*.log | cut -c1-300 | sort | uniq -c ;;
     # MEGATRON_EXTRA: Megatron-LM arguments for every variant, one string (bench_megatron's --megatron-args)
+    # the per-layer graphs' replay guards and the FP8 state fixes (2026-12-08 review) on a GPU
+    review) python3 -m pytest -q -rs -p no:logging tests/test_graphed_linear_gpu.py tests/test_graphed_replays.py \
+        tests/test_fp8_state.py 2>&1 | tee "$OUT/review_tests.log" ;;
     megatron) python3 scripts/bench_megatron.py --megatron-lm .megatron_lm ${MEGATRON_ARGS:-} \
         ${MEGATRON_EXTRA:+"--megatron-args=$MEGATRON_EXTRA"} --out "$OUT" 2>&1 | tee "$OUT/bench_megatron.txt" ;;
     *) echo "unknown step $what" ;;
