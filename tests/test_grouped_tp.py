@@ -52,4 +52,4 @@ def test_save_original_input_is_bitwise_on_every_rank(report: dict) -> None:
 
 
 def test_errors_and_per_expert_checkpoint_keys(report: dict) -> None:
-    _count(report, "grouped_extras", 6)
+    _count(report, "grouped_extras", 8)

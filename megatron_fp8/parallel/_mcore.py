@@ -104,6 +104,26 @@ def make_sharded_tensors(
     return make_sharded_tensors_for_checkpoint(state_dict, prefix, axis_map, sharded_offsets, **kwargs)
 
 
+def expert_dp_rank(pg_collection: Any | None, replicated: bool) -> int | None:
+    """This rank's index among the ranks holding the same expert shard: the third entry of an
+    expert checkpoint entry's ``replica_id`` (the dense data-parallel rank would mark the experts
+    of every expert-parallel rank but the first as copies, and no rank would save them), as
+    megatron-core sets it for Transformer Engine's grouped linears. ``replicated``: an entry every
+    rank of the expert-data-parallel group holds alike (``_extra_state``; megatron-core main's
+    ``expt_dp_gtp_remat`` group), else a weight (``expt_dp``). None where neither the
+    process-group collection nor an initialised ``parallel_state`` names the group."""
+    for name in (("expt_dp_gtp_remat", "expt_dp") if replicated else ("expt_dp",)):
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is not None:
+            return dist.get_rank(group)
+    ps = parallel_state()
+    if ps is None or not hasattr(ps, "get_expert_data_parallel_group"):
+        return None
+    get = ps.get_expert_data_parallel_group
+    group = get(with_gtp_remat=replicated) if "with_gtp_remat" in inspect.signature(get).parameters else get()
+    return dist.get_rank(group)
+
+
 def _default_dp_cp_group(owner: str) -> dist.ProcessGroup:
     ps = parallel_state()
     if ps is not None:

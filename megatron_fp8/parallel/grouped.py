@@ -71,6 +71,7 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
         self.num_gemms, self.use_bias, self.skip_bias_add = num_gemms, bias, skip_bias_add
         self.save_original_input, self.tp_comm_buffer_name = save_original_input, tp_comm_buffer_name
         self.ep_group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+        self._pg_collection = pg_collection  # (its expert-data-parallel groups: sharded_state_dict)
         shape = self._local_shape()
         for i in range(num_gemms):
             w = self._new_weight(shape, init_method, 1, False)
@@ -145,6 +146,10 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
             out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
             if self.use_bias:
                 out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        for key, entry in out.items():  # copies of an expert shard: the expert-data-parallel ranks
+            rank = _mcore.expert_dp_rank(self._pg_collection, replicated="_extra_state" in key)
+            if rank is not None and len(entry.replica_id) == 3:
+                entry.replica_id = (*entry.replica_id[:2], rank)
         return out
 
     def __repr__(self) -> str:

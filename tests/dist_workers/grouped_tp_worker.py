@@ -160,6 +160,19 @@ def check_extras(ck: Checker, rank: int, tp: int) -> None:
     w1 = sd["experts.fc1.weight1"]
     ck.true("grouped_extras", (w1.key, w1.global_offset) == ("experts.fc1.weight", (1, rank * 128, 0)),
             f"weight1: key {w1.key}, offset {w1.global_offset}")
+    # expert parallelism over both ranks (TP=1): the experts' copies are counted over the
+    # expert-data-parallel group (here each rank alone), not the dense data-parallel one
+    # (metadata's dp_cp_group, both ranks), or no rank but the first would save its experts
+    from types import SimpleNamespace
+
+    ep = SimpleNamespace(ep=dist.group.WORLD, expt_tp=solo, expt_dp=solo)
+    experts = ColumnParallelGroupedLinear(2, 256, 128, bias=False, skip_bias_add=False, config=Config(),
+                                          pg_collection=ep, is_expert=True)
+    esd = experts.sharded_state_dict(prefix="e.", metadata={"dp_cp_group": dist.group.WORLD})
+    ck.true("grouped_extras", {v.replica_id[2] for v in esd.values()} == {0},
+            f"expert-parallel replica ids {sorted((k, v.replica_id) for k, v in esd.items())}")
+    ck.true("grouped_extras", esd["e.weight1"].global_offset[0] == 2 * rank + 1,
+            f"expert-parallel offset {esd['e.weight1'].global_offset}")
     plain = {k: v for k, v in layer.state_dict().items()}
     plain["_extra_state1"] = layer.expert_extra_state(1)
     plain["_extra_state"] = layer.expert_extra_state(0)
