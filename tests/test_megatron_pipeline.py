@@ -24,3 +24,10 @@ def test_pipeline_parallel_step_equals_one_stage(report: dict) -> None:
     # stage, the 4 losses
     assert report["counts"]["pp"] >= 2 * (4 * report["world"] + 3 * 13 * report["world"] + 4 * 4)
     assert report["failures"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_stages_without_layers_or_experts_build(report: dict) -> None:
+    assert report["counts"]["pp_specs"] == 2 * report["world"]
+    assert report["failures"] == 0

@@ -248,7 +248,8 @@ _MLA_LOCAL = (
 )
 
 
-def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str = "local") -> Any:
+def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str = "local",
+                _stage: bool = False) -> Any:
     """A copy of a megatron-core *local* spec (layer, block or MoE spec) with its
     Column/RowParallelLinears replaced by megatron_fp8's and a legacy ``GroupedMLP`` by
     ``TEGroupedMLP`` holding our grouped linears. ``grouped_experts=True`` swaps
@@ -256,7 +257,8 @@ def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str
     build ``SequentialMLP`` experts whatever ``moe_grouped_gemm`` says. ``core_attention="sdpa"``
     swaps megatron-core's ``DotProductAttention`` for ``attention.SDPAttention``. Raises if the spec holds
     Transformer Engine linears (build it from the local spec), no linear to replace, or, with
-    ``grouped_experts``, no experts to group."""
+    ``grouped_experts``, no experts to group. (``_stage``: ``spec`` is one pipeline stage's block,
+    which may hold no layer, or no MoE layer where the model has some.)"""
     conv = _Converter(grouped_experts, core_attention)
     out = conv(spec)
     if conv.mla and core_attention != "sdpa":
@@ -267,12 +269,12 @@ def to_fp8_spec(spec: Any, *, grouped_experts: bool = False, core_attention: str
             f"megatron_fp8 does not replace (TE fuses the layernorm into linear_qkv / linear_fc1); build it "
             f"from megatron-core's local spec (get_gpt_layer_local_spec, or use_transformer_engine=False)"
         )
-    if conv.replaced == 0:
+    if conv.replaced == 0 and not (_stage and not getattr(spec, "layer_specs", None)):
         raise ValueError(
             "to_fp8_spec: the spec holds no megatron-core ColumnParallelLinear / RowParallelLinear to replace; "
             "pass a spec built by megatron-core's local spec functions"
         )
-    if grouped_experts and conv.grouped == 0:
+    if grouped_experts and conv.grouped == 0 and not _stage:
         raise ValueError(
             "to_fp8_spec(grouped_experts=True): the spec holds no MoE experts (SequentialMLP / GroupedMLP) to "
             "group; build it with num_experts set, or leave grouped_experts off"
@@ -368,7 +370,7 @@ def get_gpt_block_spec(config: Any, vp_stage: int | None = None, *, core_attenti
                                              qk_l2_norm=getattr(config, "qk_l2_norm", False), vp_stage=vp_stage)
     grouped = bool(getattr(config, "num_moe_experts", None)) and bool(getattr(config, "moe_grouped_gemm", False))
     attention = "sdpa" if mla else core_attention or default_core_attention()
-    block = to_fp8_spec(block, grouped_experts=grouped, core_attention=attention)
+    block = to_fp8_spec(block, grouped_experts=grouped, core_attention=attention, _stage=True)
     if mla:
         from .attention import SDPAttention
         from .mla import with_mla

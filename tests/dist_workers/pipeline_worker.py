@@ -164,6 +164,32 @@ def check_pipeline(ck: Checker, world: int, vp: int | None) -> None:
         parallel_state.destroy_model_parallel()
 
 
+def check_stage_specs(ck: Checker, world: int) -> None:
+    """Stages megatron-core's local block spec builds, the plug-in's too: one without decoder
+    layers (a pipeline layout giving the last stage only the loss) and one with only dense layers
+    of a MoE model (``moe_layer_freq``: DeepSeek's first dense layers)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_fp8.megatron import plugin
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    cases = {"a stage without layers": dict(pipeline_model_parallel_layout="E" + "t" * LAYERS + "|L"),
+             "a dense-only stage of a MoE model": dict(
+                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
+                 moe_token_dispatcher_type="alltoall", moe_layer_freq=[0] * (LAYERS // 2) + [1] * (LAYERS // 2))}
+    base = {**vars(_config(world, ("tensorwise", "hybrid")))}
+    for name, extra in cases.items():
+        cfg = TransformerConfig(**{k: base[k] for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                        "ffn_hidden_size", "pipeline_model_parallel_size",
+                                                        "pipeline_dtype", "normalization", "fp8", "fp8_recipe",
+                                                        "add_bias_linear")}, **extra)
+        theirs = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+        ours = plugin.layer_spec(cfg)
+        ck.true("pp_specs", len(ours.layer_specs) == len(theirs.layer_specs),
+                f"{name}: {len(ours.layer_specs)} layers, megatron-core's local spec {len(theirs.layer_specs)}")
+    parallel_state.destroy_model_parallel()
+
+
 def main() -> int:
     rank, world = init_gloo()
     _cpu_shims()
@@ -171,6 +197,7 @@ def main() -> int:
     ck = Checker(rank)
     ck.guard("pp", "pipeline parallelism through megatron-core's schedule", check_pipeline, ck, world, None)
     ck.guard("pp", "interleaved (virtual) pipeline", check_pipeline, ck, world, 2)
+    ck.guard("pp_specs", "stages without layers or experts", check_stage_specs, ck, world)
     code = ck.report()
     shutdown()
     return code
