@@ -245,6 +245,8 @@ def test_recipe_from_megatron_transformer_config() -> None:
         (dict(fp8="e4m3", first_last_layers_bf16=True), "config.first_last_layers_bf16=True"),
         (dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_output_proj=True), "config.fp8_output_proj=True"),
         (dict(fp8="hybrid", fp4="e2m1"), "config.fp4='e2m1' with config.fp8='hybrid'"),
+        (dict(fp8="hybrid", quant_recipe=object()), "config.quant_recipe .Megatron-LM's --te-precision-config-file"),
+        (dict(fp8=None, quant_recipe=object()), "config.quant_recipe"),
     ],
 )
 def test_recipe_from_megatron_errors_name_the_field(fields: dict[str, Any], message: str) -> None:

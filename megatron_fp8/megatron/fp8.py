@@ -74,6 +74,11 @@ def recipe_from_megatron(config: Any, *, per_layer: bool = False) -> Recipe | No
     """Our recipe for Megatron's ``fp8`` / ``fp8_recipe`` / ``fp8_*`` fields; None when
     ``config.fp8`` is unset (FP8 off). ``per_layer``: the caller opens one region per layer
     (``get_fp8_context``), so ``first_last_layers_bf16`` can be honoured."""
+    if getattr(config, "quant_recipe", None) is not None:
+        raise ValueError("config.quant_recipe (Megatron-LM's --te-precision-config-file) sets per-module precisions "
+                         "through Transformer Engine's finish_init, which megatron_fp8's layers do not take: every "
+                         "layer of ours would run the --fp8-* recipe; unset it (megatron_fp8's per-layer settings: "
+                         "MEGATRON_FP8_CONFIG)")
     fp8 = getattr(config, "fp8", None)
     if not fp8:
         return None
