@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -149,28 +150,35 @@ def load_config(path: str | os.PathLike[str]) -> FP8Config:
     return parse_config(data, str(path))
 
 
-def apply_layer_flags(model: nn.Module, config: FP8Config) -> dict[str, bool]:
+def apply_layer_flags(model: nn.Module, config: FP8Config, *, names: dict[str, str] | None = None,
+                      unmatched: Callable[[str], None] | None = None) -> dict[str, bool]:
     """Set ``save_original_input`` on the layers each rule matches; return ``{name: flag}``.
 
-    A rule that matches no module, or matches a module without the flag (not one of our
-    linears), is an error naming the rule and what it did match.
+    ``names``: the name each module's rules match (by its own name in ``model``), e.g. the whole
+    model's name of a pipeline stage's layer. A rule that matches no module is an error naming the
+    rule and what names look like, or, with ``unmatched``, handed to it (a pipeline stage holds only
+    some layers); a rule that matches a module without the flag (not one of our linears) is an error.
     """
     modules = dict(model.named_modules())
+    shown = names if names is not None else {n: n for n in modules}
+    local = {shown.get(n, n): n for n in modules if n}
     plan: dict[str, bool] = {}
     for i, rule in enumerate(config.layers):  # validate every rule before touching the model
-        names = [n for n in modules if n and fnmatch.fnmatchcase(n, rule.match)]
-        if not names:
-            raise ValueError(
-                f"layers[{i}].match={rule.match!r} matches no module; module names look like "
-                f"{sorted(n for n in modules if n)[:5]}"
-            )
-        for name in names:
-            if not hasattr(modules[name], "save_original_input"):
+        matched = [n for n in local if fnmatch.fnmatchcase(n, rule.match)]
+        if not matched:
+            said = (f"layers[{i}].match={rule.match!r} matches no module; module names look like "
+                    f"{sorted(local)[:5]}")
+            if unmatched is None:
+                raise ValueError(said)
+            unmatched(said)
+        for name in matched:
+            module = modules[local[name]]
+            if not hasattr(module, "save_original_input"):
                 raise ValueError(
-                    f"layers[{i}].match={rule.match!r} matches {name} ({type(modules[name]).__name__}), which "
+                    f"layers[{i}].match={rule.match!r} matches {name} ({type(module).__name__}), which "
                     f"has no save_original_input flag; narrow the glob to megatron_fp8 linears"
                 )
             plan[name] = rule.save_original_input  # later rules win
     for name, flag in plan.items():
-        modules[name].save_original_input = flag
+        modules[local[name]].save_original_input = flag
     return plan

@@ -28,6 +28,6 @@ def test_pipeline_parallel_step_equals_one_stage(report: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.megatron
-def test_stages_without_layers_or_experts_build(report: dict) -> None:
-    assert report["counts"]["pp_specs"] == 2 * report["world"]
+def test_stages_without_layers_or_experts_build_and_rules_name_global_layers(report: dict) -> None:
+    assert report["counts"]["pp_specs"] == 4 * report["world"]
     assert report["failures"] == 0

@@ -65,7 +65,8 @@ from ..recompute import CheckpointWithoutOutput, checkpoint_layers
 from .fp8 import get_fp8_context, recipe_from_megatron
 from .specs import import_megatron
 
-__all__ = ["patch_megatron", "MegatronCheckpointWithoutOutput", "have_te", "rank0", "print0"]
+__all__ = ["patch_megatron", "MegatronCheckpointWithoutOutput", "have_te", "rank0", "print0", "pipeline_stage",
+           "stage_rank0", "print_stage"]
 
 
 def rank0() -> bool:
@@ -77,6 +78,41 @@ def print0(text: str) -> None:
     """``print`` on rank 0 only, flushed (notes go to the training log, next to Megatron's)."""
     if rank0():
         print(text, flush=True)
+
+
+def pipeline_stage() -> tuple[int, int]:
+    """``(this rank's pipeline stage, the number of stages)``; ``(0, 1)`` without megatron-core's
+    initialised parallel state."""
+    from ..parallel._mcore import parallel_state
+
+    ps = parallel_state()
+    if ps is None:
+        return 0, 1
+    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+
+
+def stage_rank0() -> bool:
+    """Whether this process prints notes about its pipeline stage's layers: rank 0 without
+    pipeline parallelism, else the stage's first tensor- and data-parallel rank (each stage holds
+    other layers, so rank 0 alone would leave the later stages' unsaid)."""
+    from ..parallel._mcore import parallel_state
+
+    _, stages = pipeline_stage()
+    ps = parallel_state()
+    if stages == 1 or ps is None:
+        return rank0()
+    try:
+        dp = ps.get_data_parallel_rank(with_context_parallel=True)
+    except TypeError:  # a megatron-core without the keyword
+        dp = ps.get_data_parallel_rank()
+    return ps.get_tensor_model_parallel_rank() == 0 and dp == 0
+
+
+def print_stage(text: str) -> None:
+    """``print`` by ``stage_rank0`` ranks, the stage named where there are several, flushed."""
+    if stage_rank0():
+        stage, stages = pipeline_stage()
+        print(f"megatron_fp8: pipeline stage {stage} of {stages}:\n{text}" if stages > 1 else text, flush=True)
 
 
 @functools.cache

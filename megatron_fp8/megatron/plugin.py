@@ -52,9 +52,8 @@ from ..ops.graph_buffers import ENV as GRAPHS_ENV
 from ..ops.graph_buffers import held_note
 from ..ops.graphed import graphs_on, run_as_captured
 from . import rope
-from .compat import patch_megatron, whole_iteration_graph
+from .compat import patch_megatron, pipeline_stage, print_stage, stage_rank0, whole_iteration_graph
 from .compat import print0 as _print0
-from .compat import rank0 as _rank0
 from .fp8 import recipe_from_megatron
 from .specs import default_core_attention, get_gpt_block_spec, import_megatron, with_core_attention
 
@@ -150,10 +149,17 @@ class _FirstForward:
         self.done.update(root.modules())  # its own parts (an embedding, a block) are not models of their own
         for path, m in ours.items():  # warnings and errors name the layer, not only its class
             m.adopt_name(path)
-        plan = apply_layer_flags(root, self.rules) if self.rules is not None and self.rules.layers else {}
+        names = global_names(root)
+        unmatched: list[str] = []  # (a pipeline stage holds some layers: a rule may match another's)
+        plan: dict[str, bool] = {}
+        if self.rules is not None and self.rules.layers:
+            plan = apply_layer_flags(root, self.rules, names=names,
+                                     unmatched=unmatched.append if pipeline_stage()[1] > 1 else None)
         config = getattr(next(iter(ours.values())), "config", None)
         notes = _whole_iteration_graph(config) if config is not None and whole_iteration_graph(config) else []
-        _print0("\n".join([_summary(root, plan, config), *notes]))
+        notes += [f"megatron_fp8: {ENV_CONFIG}: {u} on this pipeline stage" for u in unmatched]
+        ruled = self.rules is not None and bool(self.rules.layers)
+        print_stage("\n".join([_summary(root, plan, config, names, ruled), *notes]))
         _warn_high_precision_linears(root, config)
         _at_first_forward_end(module, root)
         self._model_done()
@@ -208,7 +214,7 @@ def high_precision_linears(root: nn.Module) -> list[str]:
 def _warn_high_precision_linears(root: nn.Module, config: Any) -> None:
     """Never silent: with FP8 on, name the linears of ``high_precision_linears`` (rank 0, once per
     model, with the summary)."""
-    if not getattr(config, "fp8", None) or not _rank0():
+    if not getattr(config, "fp8", None) or not stage_rank0():  # (MTP layers: on the last stage)
         return
     names = high_precision_linears(root)
     if names:
@@ -284,16 +290,34 @@ def _compress(names: Iterable[str]) -> list[str]:
     return out
 
 
-def _summary(root: nn.Module, plan: dict[str, bool], config: Any) -> str:
+_DECODER_LAYER = re.compile(r"^(.*\bdecoder\.layers\.)(\d+)(\..*)?$")
+
+
+def global_names(root: nn.Module) -> dict[str, str]:
+    """Each module's name in ``root`` as in the whole ``GPTModel`` (what ``MEGATRON_FP8_CONFIG``'s
+    rules and ``megatron_fp8.audit`` name): a pipeline stage, or a virtual stage's model chunk,
+    numbers its decoder layers from 0, and megatron-core's ``TransformerLayer.layer_number`` is
+    the layer's place in the whole model (from 1)."""
+    modules = dict(root.named_modules())
+    out: dict[str, str] = {}
+    for name in modules:
+        m = _DECODER_LAYER.match(name)
+        number = getattr(modules.get(m.group(1) + m.group(2)), "layer_number", None) if m else None
+        out[name] = f"{m.group(1)}{number - 1}{m.group(3) or ''}" if m and isinstance(number, int) else name
+    return out
+
+
+def _summary(root: nn.Module, plan: dict[str, bool], config: Any, names: dict[str, str] | None = None,
+             ruled: bool = False) -> str:
     recipe = recipe_from_megatron(config, per_layer=True) if config is not None else None
-    flagged = [n for n, m in root.named_modules()
+    flagged = [(names or {}).get(n, n) for n, m in root.named_modules()
                if isinstance(m, FP8Module) and getattr(m, "save_original_input", False)]
     recompute = []
     if config is not None and getattr(config, "recompute_granularity", None) == "selective":
         recompute = [m for m in getattr(config, "recompute_modules", None) or [] if m in ("layernorm", "moe_act")]
     lines = [
         f"megatron_fp8: FP8 {recipe.describe() if recipe is not None else 'off (config.fp8 unset)'}",
-        f"megatron_fp8: {ENV_CONFIG} rules set {len(plan)} modules" if plan else
+        f"megatron_fp8: {ENV_CONFIG} rules set {len(plan)} modules" if plan or ruled else
         f"megatron_fp8: no per-layer rules ({ENV_CONFIG} unset)",
         "megatron_fp8: save_original_input on: " + (", ".join(_compress(flagged)) or "none"),
         "megatron_fp8: output-discarding recompute: " + (", ".join(recompute) or "none"),

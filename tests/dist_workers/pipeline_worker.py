@@ -170,9 +170,11 @@ def check_stage_specs(ck: Checker, world: int) -> None:
     of a MoE model (``moe_layer_freq``: DeepSeek's first dense layers)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from megatron_fp8.config import apply_layer_flags
     from megatron_fp8.megatron import plugin
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    cpu_accommodations()
     cases = {"a stage without layers": dict(pipeline_model_parallel_layout="E" + "t" * LAYERS + "|L"),
              "a dense-only stage of a MoE model": dict(
                  num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
@@ -187,6 +189,21 @@ def check_stage_specs(ck: Checker, world: int) -> None:
         ours = plugin.layer_spec(cfg)
         ck.true("pp_specs", len(ours.layer_specs) == len(theirs.layer_specs),
                 f"{name}: {len(ours.layer_specs)} layers, megatron-core's local spec {len(theirs.layer_specs)}")
+    # MEGATRON_FP8_CONFIG's rules name layers as in the whole model: each stage maps its own
+    from megatron_fp8.config import parse_config
+
+    model, offset = _chunk(_config(world, ("tensorwise", "hybrid")), None)
+    names = plugin.global_names(model)
+    ck.true("pp_specs", names["decoder.layers.1.mlp.linear_fc1"] == f"decoder.layers.{offset + 1}.mlp.linear_fc1",
+            f"global names {sorted(v for v in names.values() if v.endswith('fc1'))} (offset {offset})")
+    rules = parse_config({"layers": [{"match": f"decoder.layers.{LAYERS - 1}.mlp.linear_fc1",
+                                      "save_original_input": True}]})
+    missed: list[str] = []
+    plan = apply_layer_flags(model, rules, names=names, unmatched=missed.append)
+    last = parallel_state.is_pipeline_last_stage()
+    ck.true("pp_specs", (list(plan) == [f"decoder.layers.{LAYERS - 1}.mlp.linear_fc1"]) == last
+            and bool(missed) != last and model.decoder.layers[-1].mlp.linear_fc1.save_original_input == last,
+            f"rules on stage {parallel_state.get_pipeline_model_parallel_rank()}: set {plan}, unmatched {missed}")
     parallel_state.destroy_model_parallel()
 
 
