@@ -195,13 +195,14 @@ class CheckpointWithoutOutput:
 
     def _check_consumers(self) -> None:
         assert self._status is not None
-        for cls_name, desc in self._status.copying_consumers:
+        for cls_name, desc, layer in self._status.copying_consumers:
             raise MissingSaveOriginalInputError(
-                f"CheckpointWithoutOutput('{self.name}'): its output feeds {cls_name} ({desc or 'no repr'}) "
-                f"with save_original_input=False, so that layer saved its own FP8 copy of the input and "
-                f"discarding the output frees no memory. Fix: build the {cls_name} with "
-                f"save_original_input=True (or set `.save_original_input = True` on it before the "
-                f"forward). Checked with FP8 off too."
+                f"CheckpointWithoutOutput('{self.name}'): its output feeds {cls_name}"
+                f"{f'({layer})' if layer else ''} ({desc or 'no repr'}) with save_original_input=False, so "
+                f"that layer saved its own FP8 copy of the input and discarding the output frees no memory. "
+                f"Fix: build the {cls_name} with save_original_input=True (or set `.save_original_input = "
+                f"True` on it before the forward; under Megatron-LM, a MEGATRON_FP8_CONFIG rule turning it off "
+                f"conflicts with --recompute-modules: drop one of the two). Checked with FP8 off too."
             )
 
     def _check_not_modified(self) -> None:

@@ -37,8 +37,8 @@ class _Status:
 
     name: str
     state: _State = _State.CHECKPOINTED
-    # (class name, extra_repr) of consumers that saved their own copy (save_original_input False)
-    copying_consumers: list[tuple[str, str]] = field(default_factory=list)
+    # (class name, extra_repr, its name or "") of consumers that saved their own copy (save_original_input False)
+    copying_consumers: list[tuple[str, str, str]] = field(default_factory=list)
 
     def check_readable(self, what: str) -> None:
         if self.state is _State.DISCARDED:
@@ -197,7 +197,8 @@ def _check_consumer(module: nn.Module, items: Iterator[Any]) -> None:
         status.check_readable(f"module {type(module).__name__}")
         saves_original = getattr(module, "save_original_input", True)  # the flag as of this forward
         if status.state is _State.CHECKPOINTED and not saves_original:
-            status.copying_consumers.append((type(module).__name__, module.extra_repr()))
+            status.copying_consumers.append((type(module).__name__, module.extra_repr(),
+                                             getattr(module, "name", None) or ""))
 
 
 _watching: weakref.WeakSet[_Status] = weakref.WeakSet()

@@ -541,7 +541,7 @@ def check_hook_with_pipeline_chunks(ck: Checker) -> None:
     configured: list[str] = []
     chunks, summary, rules = plugin._pipeline_chunks, plugin._summary, os.environ.pop("MEGATRON_FP8_CONFIG", None)
     plugin._pipeline_chunks = lambda: 2
-    plugin._summary = lambda root, plan, config: (configured.append(type(root).__name__), "")[1]
+    plugin._summary = lambda root, plan, config, *_: (configured.append(type(root).__name__), "")[1]
     try:
         if plugin._hook.handle is not None:  # re-armed below without this worker's YAML rules
             plugin._hook.handle.remove()
