@@ -1,10 +1,12 @@
 """``python -m megatron_fp8.megatron.launch SCRIPT [ARGS...]``: run a Megatron-LM script (e.g.
 ``pretrain_gpt.py``) as ``__main__`` with the plug-in installed first.
 
-Only needed where megatron-core rejects a configuration before Megatron-LM imports ``--spec``:
-MoE with ``--fp8-format`` and no Transformer Engine (its ``TransformerConfig`` asks for TE >= 1.7
-there; ``compat.py`` says how the plug-in validates it instead), and RoPE fusion without TE
-(Megatron-LM's default; ``rope.py`` fills the slot megatron-core's config checks). Under torchrun:
+Without Transformer Engine, always start Megatron-LM this way: megatron-core checks its
+``TransformerConfig`` against TE before Megatron-LM imports ``--spec``, and rejects or mis-checks
+several configurations there: MoE with ``--fp8-format`` (it asks for TE >= 1.7; ``compat.py`` says
+how the plug-in validates it instead), ``--fp8-format`` with ``--recompute-modules layernorm`` or
+``moe_act`` (TE's version is compared, or delayed scaling is refused for TE's reasons), and RoPE
+fusion (Megatron-LM's default; ``rope.py`` fills the slot megatron-core's config checks). Under torchrun:
 ``torchrun --nproc_per_node 8 -m megatron_fp8.megatron.launch pretrain_gpt.py --spec
 megatron_fp8.megatron.plugin layer_spec ...``.
 

@@ -29,9 +29,10 @@ Megatron-LM resolves ``--spec MODULE NAME`` by importing ``MODULE``; importing t
   megatron-core's per-layer graphs (``--cuda-graph-impl local`` with other scopes) need TE's FP8
   state and are refused at config time (``compat.py``).
 
-MoE with ``--fp8-format`` and no Transformer Engine: megatron-core's ``TransformerConfig`` refuses
-that combination before Megatron-LM imports the spec, so start the script through
-``python -m megatron_fp8.megatron.launch`` (``launch.py``), which installs the plug-in first.
+Without Transformer Engine, start the script through ``python -m megatron_fp8.megatron.launch``
+(``launch.py``), which installs the plug-in first: megatron-core checks its ``TransformerConfig``
+against TE before Megatron-LM imports the spec, and refuses MoE with ``--fp8-format``, or
+``--fp8-format`` with ``--recompute-modules layernorm`` / ``moe_act``, for TE's reasons.
 """
 
 from __future__ import annotations
