@@ -179,3 +179,26 @@ def test_a_per_expert_blob_that_is_not_ours_names_its_key() -> None:
     with pytest.raises(ValueError, match=r"ColumnParallelGroupedLinear.*'_extra_state1' is not megatron_fp8 FP8"):
         b.load_state_dict({"weight0": b.weight0.detach(), "weight1": b.weight1.detach(),
                            "_extra_state1": torch.tensor([1, 2, 3], dtype=torch.uint8)})
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_torch_checkpoint_recomputing_outside_the_fp8_region_raises_naming_ours(reentrant: bool) -> None:
+    """torch.utils.checkpoint recomputes in backward, outside the FP8 region the forward ran in:
+    the gradients would be high precision (reentrant) or a saved-tensor mismatch (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megatron_fp8.recompute import checkpoint_layers
+
+    layer = mf.Linear(64, 64, name="ckpt")
+    x = torch.randn(16, 64, requires_grad=True)
+    with mf.fp8_autocast(fp8_recipe=CURRENT):
+        y = checkpoint(layer, x, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match=r"Linear\(ckpt\): its forward runs again inside a backward pass outside "
+                                           r"every FP8 region.*checkpoint_layers"):
+        y.sum().backward()
+    ref = mf.Linear(64, 64)
+    ref.load_state_dict(layer.state_dict())
+    with mf.fp8_autocast(fp8_recipe=CURRENT):
+        y, y_ref = checkpoint_layers(layer, x), ref(x)
+    (y.sum() + y_ref.sum()).backward()
+    assert torch.equal(layer.weight.grad, ref.weight.grad)  # ours recomputes in the forward's FP8 state

@@ -97,11 +97,18 @@ class FP8Module(nn.Module):
         """Quantizers of weight ``key`` under the active region's recipe (None with FP8 off)."""
         state = current_fp8_state()
         mode = state.recipe if state is not None and state.enabled else None
-        if mode is not self._fp8_mode:  # identity first: a region's recipe object is usually the same
+        previous = self._fp8_mode
+        if mode is not previous:  # identity first: a region's recipe object is usually the same
             if mode != self._fp8_mode:
                 self.fp8_mode_changed(mode, state.group if state is not None else None)
             self._fp8_mode = mode
         if state is None:
+            if isinstance(previous, Recipe) and torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    f"{self._fp8_owner()}: its forward runs again inside a backward pass outside every FP8 region, "
+                    f"after running under {previous.describe()}: an activation checkpoint's recompute (e.g. "
+                    f"torch.utils.checkpoint), which would compute the gradients in high precision. Checkpoint "
+                    f"with megatron_fp8.recompute.checkpoint_layers, which recomputes in the forward's FP8 state")
             self.no_fp8_region()
             return None
         if not state.enabled:
