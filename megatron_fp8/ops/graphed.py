@@ -297,18 +297,25 @@ def _static_input(x: torch.Tensor) -> torch.Tensor:
     return x_s.requires_grad_(x.requires_grad)
 
 
+def _nodes(y: torch.Tensor) -> Iterator[Any]:
+    """Every node of ``y``'s autograd graph, once each."""
+    seen: set[int] = set()
+    stack = [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(n for n, _ in node.next_functions)
+
+
 def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``y``'s autograd graph saved a tensor on ``x``'s storage for backward (a custom
     function's ``saved_tensors``, a built-in node's ``_saved_*`` tensors); True where a node's
     saves cannot be read."""
     storage = x.untyped_storage().data_ptr()
-    seen: set[int] = set()
-    nodes = [y.grad_fn]
-    while nodes:
-        node = nodes.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes(y):
         try:
             saved: list[Any] = list(node.saved_tensors) if hasattr(node, "saved_tensors") else []
             saved += [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
@@ -318,7 +325,6 @@ def _saves(y: torch.Tensor, x: torch.Tensor) -> bool:
             for u in t if isinstance(t, (tuple, list)) else (t,):
                 if isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr() == storage:
                     return True
-        nodes += [n for n, _ in node.next_functions]
     return False
 
 
@@ -489,16 +495,9 @@ def _drop_quantizers(y: torch.Tensor) -> None:
     keeps (through its static output) only for the tensors they saved: the quantizers keep the
     graph (``graph_for``), so otherwise only Python's cyclic collector, which Megatron-LM's
     ``--manual-gc`` runs rarely, would free a dropped layer's graphs and their pool."""
-    seen: set[int] = set()
-    stack = [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes(y):
         if getattr(node, "quantizers", None) is not None:
             node.quantizers = None
-        stack.extend(n for n, _ in node.next_functions)
 
 
 def _new_graph(run: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
