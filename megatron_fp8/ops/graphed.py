@@ -63,7 +63,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -359,9 +358,19 @@ def capture_settings() -> dict[str, str]:
 
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
-    """``capture_settings()`` for the warm-up's eager calls; restored after."""
-    with mock.patch.dict(os.environ, capture_settings()):
+    """``capture_settings()`` for the warm-up's eager calls; those keys restored after (only
+    those: the rest of the environment is left as other code sets it meanwhile)."""
+    settings = capture_settings()
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
         yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_as_captured() -> dict[str, str]:
