@@ -97,9 +97,8 @@ def stage_rank0() -> bool:
     other layers, so rank 0 alone would leave the later stages' unsaid)."""
     from ..parallel._mcore import parallel_state
 
-    _, stages = pipeline_stage()
     ps = parallel_state()
-    if stages == 1 or ps is None:
+    if ps is None or ps.get_pipeline_model_parallel_world_size() == 1:
         return rank0()
     try:
         dp = ps.get_data_parallel_rank(with_context_parallel=True)

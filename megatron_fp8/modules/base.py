@@ -39,6 +39,22 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return bytes(t.detach().cpu().reshape(-1).tolist())
 
 
+def encode_state(state: dict[str, Any]) -> torch.Tensor:
+    """An FP8 extra-state dict as the uint8 tensor ``state_dict`` carries (``torch.save``'s bytes)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def decode_state(blob: torch.Tensor, where: str) -> Any:
+    """``encode_state``'s input back, read onto the CPU (a GPU checkpoint loads without a GPU); a
+    ValueError naming ``where`` (the layer and its state_dict key) where the bytes are not ours."""
+    try:
+        return torch.load(io.BytesIO(tensor_bytes(blob)), weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise ValueError(f"{where} is not megatron_fp8 FP8 state ({type(e).__name__}: {e})") from None
+
+
 def _states(q: LinearQuantizers) -> dict[str, Any]:
     """The saved state of a weight's three quantizers, its tensors on the CPU."""
     return {role: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
@@ -171,9 +187,7 @@ class FP8Module(nn.Module):
         else:
             quantizers.update({key: _states(q) for key, q in self._quantizers.items()})
             recipe = current if current is not None else recipe
-        buf = io.BytesIO()
-        torch.save({"recipe": recipe, "quantizers": quantizers}, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return encode_state({"recipe": recipe, "quantizers": quantizers})
 
     def set_extra_state(self, state: Any) -> None:
         """Load the FP8 state ``get_extra_state`` wrote, replacing the layer's own: the quantizers
@@ -195,10 +209,7 @@ class FP8Module(nn.Module):
         (None where none keeps any); a ValueError naming the layer and key where it is not ours."""
         where = f"{self._fp8_owner()}: state_dict key {self._extra_state_key!r}"
         if isinstance(state, torch.Tensor):
-            try:
-                state = torch.load(io.BytesIO(tensor_bytes(state)), weights_only=True, map_location="cpu")
-            except Exception as e:
-                raise ValueError(f"{where} is not megatron_fp8 FP8 state ({type(e).__name__}: {e})") from None
+            state = decode_state(state, where)
         if not isinstance(state, dict) or not isinstance(state.get("quantizers"), dict):
             raise ValueError(f"{where}: unrecognised FP8 extra state {type(state).__name__}; expected the dict "
                              f"that get_extra_state writes")

@@ -19,14 +19,13 @@ fc2 partial sums after it. Per-tensor recipes reduce amaxes over the expert-TP g
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..modules.base import tensor_bytes
+from ..modules.base import decode_state, encode_state
 from ..modules.grouped import ExpertParams
 from ..ops.grouped_linear import grouped_linear
 from ..ops.linear import LinearQuantizers
@@ -113,11 +112,9 @@ class _ParallelGroupedLinear(ExpertParams, ParallelLinearBase):
     # ---- checkpointing: one key set per expert, as megatron-core's TEGroupedLinear ----
     def expert_extra_state(self, i: int) -> torch.Tensor:
         """The FP8 state of expert ``i`` alone (same format as ``get_extra_state``)."""
-        state = torch.load(io.BytesIO(tensor_bytes(self.get_extra_state())), weights_only=True)
+        state = decode_state(self.get_extra_state(), f"{self._owner}: its own extra state")
         state["quantizers"] = {k: v for k, v in state["quantizers"].items() if k == f"weight{i}"}
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return encode_state(state)
 
     def sharded_state_dict(
         self,
@@ -173,11 +170,7 @@ def _merge_expert_extra_states(module: _ParallelGroupedLinear, state_dict: dict[
         blob = state_dict.pop(k, None)
         if not (isinstance(blob, torch.Tensor) and blob.numel()):
             continue  # no FP8 state (megatron-core's None, Transformer Engine's empty tensor without FP8)
-        try:
-            part = torch.load(io.BytesIO(tensor_bytes(blob)), weights_only=True, map_location="cpu")
-        except Exception as e:
-            raise ValueError(f"{module._owner}: state_dict key {k!r} is not megatron_fp8 FP8 state "
-                             f"({type(e).__name__}: {e})") from None
+        part = decode_state(blob, f"{module._owner}: state_dict key {k!r}")
         quantizers = part.get("quantizers") if isinstance(part, dict) else None
         if not isinstance(quantizers, dict) or len(quantizers) > 1:
             raise ValueError(f"{module._owner}: state_dict key {k!r} is not one expert's FP8 state (expected the "
@@ -191,9 +184,7 @@ def _merge_expert_extra_states(module: _ParallelGroupedLinear, state_dict: dict[
     if merged is None:
         state_dict[base] = None
         return
-    buf = io.BytesIO()
-    torch.save(merged, buf)
-    state_dict[base] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    state_dict[base] = encode_state(merged)
 
 
 class ColumnParallelGroupedLinear(_ParallelGroupedLinear):
